@@ -1,0 +1,199 @@
+import copy
+import json
+
+import pytest
+import torch
+
+import policy
+import rollout
+from rollout import Engine, Role, SamplingConfig, TemplateError, parse_turn
+from tests.scripted import TOOLS, EchoEnv, Script, call_text, tasks
+
+LOOKUP = [call_text("lookup", '{"key": "'), 3, '"}}\n</tool_call>']
+PING = [call_text("ping", "{}}\n</tool_call>")]
+ANSWER = ["done ", 2]
+WORLD = ['{"value": "', 4, '"}\n</tool_response>']
+
+
+@pytest.fixture(scope="module")
+def tiny64(micro64):
+    return micro64
+
+
+def ragged_script(tok):
+    # rows differ in number of turns, parallel calls and which calls are rehearsed: a ragged batch
+    act = {0: [LOOKUP, ANSWER],
+           1: [LOOKUP + ["\n"] + PING, LOOKUP, ANSWER],
+           2: [ANSWER, LOOKUP, ANSWER],
+           3: [PING, LOOKUP, ANSWER]}
+    world = {r: [['{"v": "', 2, '"}\n</tool_response>']] * 4 for r in range(4)}
+    return Script(tok, act, world)
+
+
+def run_ragged(model, tok, use_cache, cfg=None):
+    followups = {"t0": ["and one more?"], "t1": ["and now?"]}
+    eng = Engine(model, tok)
+    return eng.run(tasks(2), group_size=2, cfg=cfg or SamplingConfig(greedy=True, max_new_tokens=80, seed=0),
+                   make_env=lambda t: EchoEnv(followups[t.id]), world=lambda row, call: row % 2 == 0,
+                   use_cache=use_cache, steer=ragged_script(tok))
+
+
+def test_cached_generation_equals_uncached(tiny64):
+    model, tok = tiny64
+    cached = run_ragged(model, tok, use_cache=True)
+    fresh = run_ragged(model, tok, use_cache=False)
+    assert cached.ids.shape == fresh.ids.shape
+    assert torch.equal(cached.ids, fresh.ids)
+    assert torch.equal(cached.roles, fresh.roles)
+    assert cached.end_reasons == fresh.end_reasons
+    torch.testing.assert_close(cached.logprobs, fresh.logprobs, atol=1e-9, rtol=0)
+    # the batch really was ragged and multi-turn, and the free slots were the model's own choice
+    assert len(set(cached.lengths.tolist())) == 4
+    assert max(len(t.calls) for t in cached.trajectories) >= 3
+    assert [c.name for c in cached.trajectories[1].calls] == ["lookup", "ping", "lookup"]  # 2 parallel
+    assert (cached.roles == Role.WORLD).any() and (cached.roles == Role.OBS).any()
+    # the cached path fed far fewer tokens than re-encoding
+    assert cached.stats["tokens_fed"] * 3 < fresh.stats["tokens_fed"]
+
+
+def test_recorded_logprobs_equal_full_forward(tiny64):
+    model, tok = tiny64
+    for cfg in (SamplingConfig(greedy=True, max_new_tokens=80),
+                SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=80, seed=3)):
+        out = run_ragged(model, tok, use_cache=True, cfg=cfg)
+        temp = 1.0 if cfg.greedy else cfg.temperature
+        for b in range(out.ids.shape[0]):
+            n = int(out.lengths[b])
+            ids = out.ids[b, :n]
+            with torch.no_grad():
+                logits = model(input_ids=ids[None]).logits[0].double()
+            logp = torch.log_softmax(logits[:-1] / temp, -1).gather(-1, ids[1:, None])[:, 0]
+            sampled = (out.roles[b, 1:n] == Role.ACT) | (out.roles[b, 1:n] == Role.WORLD)
+            assert sampled.sum() > 5
+            torch.testing.assert_close(out.logprobs[b, 1:n][sampled].double(), logp[sampled], atol=1e-6, rtol=0)
+            assert torch.all(out.logprobs[b, :n][~((out.roles[b, :n] == Role.ACT) | (out.roles[b, :n] == Role.WORLD))] == 0)
+
+
+def test_roles_are_exact_on_a_scripted_conversation(tiny64):
+    model, tok = tiny64
+    eng = Engine(model, tok)
+    env = EchoEnv(["next question"])
+    script = Script(tok, {0: [LOOKUP + ["\n"] + PING, ANSWER, ANSWER]}, {0: [WORLD]})
+    out = eng.run(tasks(1), cfg=SamplingConfig(greedy=True, max_new_tokens=80), make_env=lambda t: env,
+                  world=lambda row, call: call.name == "lookup", steer=script)
+    ids, roles, traj = out.ids[0].tolist(), out.roles[0].tolist(), out.trajectories[0]
+    prompt = eng.prompt_ids(tasks(1)[0])
+    assert roles[:len(prompt)] == [Role.PROMPT] * len(prompt) and ids[:len(prompt)] == prompt
+
+    def text_of(role):
+        return [tok.decode([i for i, r in zip(ids[s.start:s.end], roles[s.start:s.end])])
+                for s in out.spans[0] if s.role == role]
+
+    act = text_of(Role.ACT)
+    assert len(act) == 3 and all(a.endswith("<|im_end|>") for a in act)
+    assert act[0].startswith('<tool_call>\n{"name": "lookup"') and '"name": "ping"' in act[0]
+    assert act[1].startswith("done ") and act[2].startswith("done ")
+    world = text_of(Role.WORLD)
+    assert len(world) == 1 and world[0].startswith('{"value": "') and world[0].endswith('"}\n</tool_response>')
+    obs = text_of(Role.OBS)
+    assert obs == [json.dumps({"tool": "ping", "args": {}, "n": 1})]
+    assert env.calls == [("ping", {})]                      # the rehearsed lookup never reached the env
+    assert traj.rehearsed == [True, False] and traj.observations[0] == world[0][: -len("\n</tool_response>")]
+    # every other token is engine-written scaffolding or user text
+    prompt_text = "".join(text_of(Role.PROMPT))
+    assert "next question" in prompt_text and prompt_text.count("<|im_start|>assistant\n") == 3
+    assert out.end_reasons == ["final_answer"] and traj.final_answer.startswith("done")
+    assert all(r != Role.PAD for r in roles)
+
+
+def test_ids_decode_to_the_chat_template_rendering(tiny64):
+    model, tok = tiny64
+    eng = Engine(model, tok)
+    script = Script(tok, {0: [LOOKUP, ANSWER], 1: [PING, ANSWER]})
+    out = eng.run(tasks(1), group_size=2, cfg=SamplingConfig(greedy=True, max_new_tokens=80),
+                  make_env=lambda t: EchoEnv(), world="real", steer=script)
+    for b in range(2):
+        traj = out.trajectories[b]
+        n = int(out.lengths[b])
+        rendered = tok.apply_chat_template([{k: v for k, v in m.items() if k in ("role", "content", "tool_calls")}
+                                            for m in traj.messages], tools=TOOLS, tokenize=False)
+        assert tok.decode(out.ids[b, :n].tolist()) + eng.fmt.after_eos == rendered
+
+
+def test_each_malformed_call_gives_its_typed_error_and_the_batch_survives(tiny64):
+    model, tok = tiny64
+    cases = {
+        0: ([call_text("lookup", '{"key": "a"}}}\n</tool_call>')], "malformed_json"),   # one brace too many
+        1: ([call_text("nosuch", '{"key": "a"}}\n</tool_call>')], "unknown_tool"),
+        2: ([call_text("lookup", '{"other": "a"}}\n</tool_call>')], "missing_arguments"),
+        3: ([call_text("lookup", '{"key": "'), 200], "truncated_turn"),        # cut off by max_new_tokens
+        4: ([], "empty_turn"),
+        5: (['<tool_call>\n"just a string"\n</tool_call>'], "not_an_object"),
+    }
+    act = {r: [items, ANSWER] for r, (items, _) in cases.items()}
+    act[6] = [LOOKUP, ANSWER]                                                   # a healthy row alongside
+    eng = Engine(model, tok)
+    out = eng.run(tasks(1), group_size=7, cfg=SamplingConfig(greedy=True, max_new_tokens=60),
+                  make_env=lambda t: EchoEnv(), world="real", steer=Script(tok, act))
+    for r, (_, kind) in cases.items():
+        errors = out.trajectories[r].errors
+        assert any(e.startswith(kind) for e in errors), (r, errors)
+    assert out.end_reasons[3] == "max_new_tokens" and out.end_reasons[4] == "empty_turn"
+    for r in (0, 1, 2, 5):   # the episode went on after an error observation
+        assert out.end_reasons[r] == "final_answer"
+        assert '{"error": ' in tok.decode(out.ids[r][out.roles[r] == Role.OBS].tolist())
+    assert out.end_reasons[6] == "final_answer" and out.trajectories[6].errors == []
+
+
+def test_limits_end_rows_cleanly(tiny64):
+    model, tok = tiny64
+    eng = Engine(model, tok)
+    loop = {0: [LOOKUP] * 10, 1: [LOOKUP] * 10}
+    out = eng.run(tasks(1), group_size=2, cfg=SamplingConfig(greedy=True, max_new_tokens=80, max_turns=3),
+                  make_env=lambda t: EchoEnv(), world="real", steer=Script(tok, loop))
+    assert out.end_reasons == ["max_turns", "max_turns"] and len(out.trajectories[0].calls) == 3
+    n_prompt = len(eng.prompt_ids(tasks(1)[0]))
+    out = eng.run(tasks(1), cfg=SamplingConfig(greedy=True, max_new_tokens=80, max_total_len=n_prompt + 30),
+                  make_env=lambda t: EchoEnv(), world="real", steer=Script(tok, loop))
+    assert out.end_reasons == ["max_length"] and int(out.lengths[0]) <= n_prompt + 30
+    out = eng.run(tasks(1), cfg=SamplingConfig(max_total_len=10), make_env=lambda t: EchoEnv())
+    assert out.end_reasons == ["max_length"] and "context_too_long" in out.trajectories[0].errors[0]
+
+
+def test_unterminated_rehearsal_is_closed_and_recorded(tiny64):
+    model, tok = tiny64
+    eng = Engine(model, tok)
+    script = Script(tok, {0: [LOOKUP, ANSWER]}, {0: [['{"value": ', 50]]})
+    out = eng.run(tasks(1), cfg=SamplingConfig(greedy=True, max_new_tokens=80, max_world_tokens=12),
+                  steer=script)
+    assert "unterminated" in out.rehearsal_defects[0] and "invalid_json" in out.rehearsal_defects[0]
+    assert out.end_reasons == ["final_answer"]
+    assert (out.roles[0] == Role.WORLD).sum() == 12
+
+
+def test_template_that_is_not_append_only_is_refused(tiny64):
+    _, tok = tiny64
+    bad = copy.deepcopy(tok)
+    bad.chat_template = tok.chat_template.replace("messages[0].content + '\\n\\n'",
+                                                  "messages[0].content + (messages|length|string) + '\\n\\n'")
+    with pytest.raises(TemplateError, match="append-only"):
+        rollout.derive_turn_format(bad)
+
+
+def test_parse_turn_is_total():
+    cases = ["", "plain answer", "<tool_call>{bad</tool_call>", "<tool_call>[1]</tool_call>",
+             '<tool_call>{"name": 3}</tool_call>', '<tool_call>{"name": "ping", "arguments": "x"}</tool_call>',
+             '<tool_call>{"name": "ping", "arguments": "{}"}</tool_call>', "</tool_call>", "<tool_call>{",
+             "<think>hmm <tool_call></think>ok"]
+    kinds = []
+    for text in cases:
+        turn = parse_turn(text, TOOLS)
+        kinds.append([getattr(i, "kind", "call") for i in turn.items])
+    assert kinds == [[], [], ["malformed_json"], ["not_an_object"], ["missing_name"], ["bad_arguments"],
+                     ["call"], ["stray_close_tag"], ["unterminated_call"], []]
+
+
+def test_role_mask_selects_only_trained_roles():
+    roles = torch.tensor([[1, 2, 2, 3, 4, 1, 0]])
+    assert rollout.role_mask(roles, [Role.ACT, Role.WORLD]).tolist() == [[False, True, True, True, False, False, False]]
+    assert rollout.role_mask(roles, [Role.ACT]).tolist() == [[False, True, True, False, False, False, False]]
