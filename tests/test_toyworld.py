@@ -372,3 +372,20 @@ def test_error_variants_present(train):
                 errs[(t.metadata["family"], json.loads(o)["error"])] = errs.get((t.metadata["family"], json.loads(o)["error"]), 0) + 1
     assert set(errs) == {("send", "insufficient funds"), ("buy", "not enough stock"), ("buy", "insufficient funds")}
     assert 40 < errs[("send", "insufficient funds")] < 100  # about 1 in 4 of the 250 send tasks
+
+
+def test_determinism_across_processes():
+    """Same tasks whatever PYTHONHASHSEED is (no dependence on set/dict hash order)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import json, hashlib; from bench import toyworld as tw; print(hashlib.md5(json.dumps("
+            "[(t.messages, t.ground_truth) for h in tw.HOLDOUTS for s in ('train', 'test') "
+            "for t in tw.load_tasks(s, limit=200, holdout=h)]).encode()).hexdigest())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = set()
+    for h in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=root)
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                                text=True, check=True).stdout)
+    assert len(outs) == 1
