@@ -1,0 +1,1055 @@
+"""VitaBench (meituan-longcat/vitabench): life-service agent tasks, delivery and in-store domains.
+
+Data: the task files of the public repository (MIT), read from `../shared/data/vitabench/` next to the
+project root by default, or from `data=DIR` (`--data DIR`) for a user with the full set. Each task carries
+its own database (stores/shops, products, orders, books, reservations, user, time, locations, weather), a
+user scenario (profile + instructions) and evaluation criteria (`expected_states[].required_orders`,
+`state_rubrics`, `overall_rubrics`).
+
+Environment: our own small deterministic re-implementation of the VitaBench domain tools over that
+database, following the public tool names, arguments and semantics (search stores/products, store/product
+info, create/pay/cancel/modify orders, book/reserve, time/location/weather/holiday queries). Differences
+from upstream, on purpose: order ids are deterministic (`OT`/`OI` + a hash of a per-env counter) instead of
+timestamp hashes; observations are JSON text instead of Python reprs; fuzzy matching (search ranking,
+address and city lookup) uses difflib instead of thefuzz; the holiday tools use a small built-in table.
+
+Episode: `mode="solo"` (default) gives VitaBench's solo-agent policy as the system prompt and the whole user
+scenario (instructions + profile) as the first user message; `mode="chat"` gives the conversational policy
+instead. `make_env(task, user_fn=None)`: `user_turn` asks `user_fn(assistant_text, task)` for the next user
+message (an LLM user simulator the engine may plug in); with None the episode ends after the first
+assistant turn without a call, as in solo mode.
+
+Reward. The official score is an LLM judge over rubrics (1 only if every rubric is met). `score(task, traj,
+judge_fn=None)`: with a `judge_fn(rubrics, messages, final_state) -> list[bool]` that official rule is used.
+By default (no judge) the reward is a deterministic PROXY, labelled `"metric": "order_state_proxy"` in the
+components: traj.calls are replayed on a fresh environment, and the final orders/books/reservations are
+matched one-to-one (greedy on item score) with the task's required ones. An order item scores the mean of
+[same store, product-id Jaccard, fraction of required quantities right, same status class]; a booking or
+reservation the mean of [same shop, same time, same party size, same status class]. Status classes:
+cancelled / unpaid / paid (processed, in-progress, delivered, consumed, unconsumed count as paid, since no
+tool reaches them), and for reservations cancelled / active. Items the agent should not have produced (a new
+order left active and unmatched, or an initial order it changed that was not required) are added to the
+denominator. reward = sum(item scores) / (n_required + n_unwanted), in [0, 1]. Product attributes, notes
+and delivery times are not compared (free text / rubric matters).
+
+Training rule (rehearsal): score() never needs the environment that ran the rollout: it replays traj.calls
+on a fresh, deterministic env. Ids the policy invented in rehearsed observations (an order id in a
+rehearsed create_* result) are aliased to the ids the replay really created, so a later pay/cancel with the
+invented id reaches the right order.
+
+Data quirks handled: some required orders are nested inside another order's `products` list (flattened);
+required order ids do not always match the initial ones (matching is by content, not id).
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import math
+import re
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from bench import BenchUnavailable, Score, Task, ToolCall, Trajectory
+
+NAME = "vita"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = PROJECT_ROOT.parent / "shared" / "data" / "vitabench"
+DOMAINS = ("delivery", "instore")            # the domains this module implements
+KNOWN_DOMAINS = ("delivery", "instore", "cross_domain", "ota")   # what a full data dir may hold
+LANGS = {"en": "tasks_en.json", "zh": "tasks.json"}
+SPLITS = ("test", "all", "train", "dev")
+STOP = "###STOP###"
+TIME_FMT = "%Y-%m-%d %H:%M:%S"
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+def _domain_dir(data_dir: Path, domain: str) -> Path | None:
+    for d in (data_dir / domain, data_dir / "domains" / domain, data_dir / "data" / "vita" / "domains" / domain):
+        if d.is_dir():
+            return d
+    return None
+
+
+def available_domains(data_dir=None) -> dict[str, list[str]]:
+    """{domain: [langs found]} for every VitaBench domain folder with task files under data_dir."""
+    data_dir = Path(data_dir) if data_dir is not None else DEFAULT_DATA
+    found = {}
+    for domain in KNOWN_DOMAINS:
+        d = _domain_dir(data_dir, domain)
+        if d is not None:
+            langs = [lang for lang, fname in LANGS.items() if (d / fname).is_file()]
+            if langs:
+                found[domain] = langs
+    return found
+
+
+def _read_tasks(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"VitaBench task file {path} is not valid JSON: {e}") from e
+    if not isinstance(data, list) or not all(isinstance(t, dict) and "id" in t and "environment" in t for t in data):
+        raise ValueError(f"VitaBench task file {path} is not a list of tasks with 'id' and 'environment'")
+    return data
+
+
+def _in_split(task_id: str, split: str) -> bool:
+    if split in ("test", "all"):
+        return True
+    dev = int(hashlib.md5(task_id.encode()).hexdigest(), 16) % 5 == 0   # our own 80/20 split; VitaBench has none
+    return dev if split == "dev" else not dev
+
+
+def load_tasks(split: str = "test", limit: int | None = None, domain: str = "all", lang: str = "en",
+               data=None, mode: str = "solo", **_) -> list[Task]:
+    """Tasks of one domain ("delivery", "instore") or "all" found, in one language ("en", "zh").
+
+    split: "test"/"all" = every task (VitaBench has no splits); "train"/"dev" = our own deterministic 80/20
+    partition by task id, for experiments that must not tune on the test tasks.
+    """
+    if domain not in DOMAINS + ("all",):
+        raise ValueError(f"unknown VitaBench domain {domain!r}; choose one of: {', '.join(DOMAINS + ('all',))}")
+    if lang not in LANGS:
+        raise ValueError(f"unknown VitaBench language {lang!r}; choose one of: {', '.join(LANGS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown VitaBench split {split!r}; choose one of: {', '.join(SPLITS)}")
+    if mode not in ("solo", "chat"):
+        raise ValueError(f"unknown VitaBench mode {mode!r}; choose one of: solo, chat")
+    data_dir = Path(data) if data is not None else DEFAULT_DATA
+    if not data_dir.is_dir():
+        raise BenchUnavailable(f"VitaBench data directory {data_dir} not found; pass --data DIR pointing at a folder "
+                               f"with delivery/ and instore/ task files (from github.com/meituan-longcat/vitabench, "
+                               f"data/vita/domains/)")
+    found = available_domains(data_dir)
+    wanted = DOMAINS if domain == "all" else (domain,)
+    present = [d for d in wanted if lang in found.get(d, [])]
+    if not present:
+        raise BenchUnavailable(f"no VitaBench {lang} task file for domain {domain!r} under {data_dir} (found: "
+                               f"{found or 'nothing'}); pass --data DIR with <domain>/{LANGS[lang]}")
+    tasks = []
+    for d in present:
+        path = _domain_dir(data_dir, d) / LANGS[lang]
+        for raw in _read_tasks(path):
+            if _in_split(str(raw["id"]), split):
+                tasks.append(_make_task(raw, d, lang, mode, path))
+    return tasks[:limit] if limit is not None else tasks
+
+
+def _flatten_orders(orders: list[dict]) -> list[dict]:
+    """Required orders, with orders mistakenly nested inside another order's products lifted out."""
+    out = []
+    for o in orders:
+        o = dict(o)
+        if isinstance(o.get("products"), list):
+            nested = [p for p in o["products"] if isinstance(p, dict) and "order_id" in p]
+            o["products"] = [p for p in o["products"] if not (isinstance(p, dict) and "order_id" in p)]
+            out.extend(_flatten_orders(nested))
+        out.append(o)
+    return out
+
+
+def _required_items(raw: dict) -> list[dict]:
+    """Required orders/books/reservations of the first expected state (all states of a task list the same
+    ones). A new in-store order with k products is split into k one-product orders: the in-store order tool
+    takes a single product, so that is how an agent can produce it."""
+    states = (raw.get("evaluation_criteria") or {}).get("expected_states") or []
+    items = _flatten_orders(states[0].get("required_orders") or []) if states else []
+    initial = (raw.get("environment") or {}).get("orders") or {}
+    out = []
+    for o in items:
+        if o.get("order_type") == "instore" and len(o.get("products") or []) > 1 and o.get("order_id") not in initial:
+            out += [{**o, "order_id": f"{o['order_id']}#{k}", "products": [p]} for k, p in enumerate(o["products"])]
+        else:
+            out.append(o)
+    return out
+
+
+def _rubrics(raw: dict) -> list[str]:
+    crit = raw.get("evaluation_criteria") or {}
+    seen = []
+    for st in crit.get("expected_states") or []:
+        seen += [r for r in st.get("state_rubrics") or [] if r not in seen]
+    seen += [r for r in crit.get("overall_rubrics") or [] if r not in seen]
+    return seen
+
+
+def _weekday(time: str, lang: str) -> str:
+    wd = datetime.strptime(time, TIME_FMT).weekday()
+    return ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"][wd] if lang == "en" \
+        else "星期" + "一二三四五六日"[wd]
+
+
+SYSTEM_SOLO = {
+    "en": """# Environment
+- Current time: {time}
+
+# Tool use
+- From the task description and the information given, decide which tools to call and with which arguments.
+- Call the tools you need in a logical order; respect each tool's preconditions and postconditions.
+
+# Task requirements
+- Complete all of the user's requests, in order, in one go, from the full task description and user information given.
+- If the task asks to place an order and then cancel or modify it, do exactly that, in that order.
+- Everything you need (preferences, constraints) is in the task description; you cannot ask the user anything.
+- Treat every step that needs the user's confirmation as confirmed.
+- When all requests are done, write '###STOP###' to end the conversation.""",
+    "zh": """# 环境
+- 当前时间：{time}
+
+# 工具使用
+- 根据任务描述和已给信息，确定要调用的工具及参数
+- 按合理顺序调用所需工具，遵守各工具的前置与后置条件
+
+# 任务要求
+- 根据完整的任务描述和用户信息，按顺序一次性完成用户的全部需求
+- 如任务要求先下单再取消或修改订单，请严格按该顺序执行
+- 所需信息（偏好、约束等）都已在任务描述中给出，执行中不能询问用户
+- 需要用户确认的步骤一律视为已确认
+- 完成全部需求后，输出 '###STOP###' 结束对话""",
+}
+SYSTEM_CHAT = {
+    "en": """# Environment
+- Current time: {time}
+
+# Tool use
+- When a request needs tools, first check whether you know every argument; extract the known ones and ask the user for the rest.
+- When the user cannot provide some information, get it through the tools first.
+- Follow each tool's preconditions and postconditions.
+
+# Conversation
+- Only use information from the conversation so far; never make up information.
+- Aim at completing the user's request; do not steer the user towards new requests.
+- When the request is done, ask whether the user needs anything else; if not, write '###STOP###' to end the conversation.""",
+    "zh": """# 环境
+- 当前时间：{time}
+
+# 工具使用
+- 用户需求需要调用工具时，先判断参数是否齐全，齐全则抽取参数，否则询问用户
+- 用户无法提供相关信息时，先通过工具获取
+- 遵守各工具的前置与后置条件
+
+# 对话
+- 只利用上文已有信息，不得无根据地编造信息
+- 以完成用户需求为目标，不要引导用户提出新需求
+- 完成需求后询问用户是否还有其他需求，如没有，输出 '###STOP###' 结束对话""",
+}
+
+
+def _first_user_message(raw: dict, lang: str) -> str:
+    profile = (raw.get("user_scenario") or {}).get("user_profile") or {}
+    lines = "\n".join(f"- {k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                      for k, v in profile.items())
+    if lang == "zh":
+        return f"任务描述：\n{raw.get('instructions', '')}\n\n用户信息：\n{lines}"
+    return f"Task description:\n{raw.get('instructions', '')}\n\nUser information:\n{lines}"
+
+
+def _make_task(raw: dict, domain: str, lang: str, mode: str, path: Path) -> Task:
+    env = raw["environment"]
+    time = f"{env['time']} {_weekday(env['time'], lang)}" if env.get("time") else ""
+    system = (SYSTEM_SOLO if mode == "solo" else SYSTEM_CHAT)[lang].format(time=time)
+    return Task(
+        id=f"vita/{domain}/{lang}/{raw['id']}",
+        messages=[{"role": "system", "content": system},
+                  {"role": "user", "content": _first_user_message(raw, lang)}],
+        tools=tool_schemas(domain),
+        ground_truth={"required_orders": _required_items(raw), "rubrics": _rubrics(raw)},
+        metadata={"domain": domain, "lang": lang, "raw_id": str(raw["id"]), "mode": mode, "source": str(path),
+                  "environment": env, "instructions": raw.get("instructions", ""),
+                  "user_scenario": raw.get("user_scenario") or {}},
+    )
+
+
+# ------------------------------------------------------------------------------------------- schemas
+# (name, description, [(arg, type, description, required)]); types: string, integer, number, boolean,
+# string[], integer[].
+
+GENERIC_TOOLS = [
+    ("longitude_latitude_to_distance", "Distance in meters between two points given by longitude and latitude.",
+     [("longitude1", "number", "Longitude of the first point", True), ("latitude1", "number", "Latitude of the first point", True),
+      ("longitude2", "number", "Longitude of the second point", True), ("latitude2", "number", "Latitude of the second point", True)]),
+    ("weather", "Weather for an address (city) between date_start and date_end.",
+     [("address", "string", "Address or city to query", True), ("date_start", "string", "Start date, yyyy-mm-dd", True),
+      ("date_end", "string", "End date, yyyy-mm-dd", True)]),
+    ("address_to_longitude_latitude", "Longitude and latitude of an address.",
+     [("address", "string", "Address to look up", True)]),
+    ("get_date_holiday_info", "Whether a date is a Chinese public holiday, and which.",
+     [("date", "string", "Date, yyyy-mm-dd", True)]),
+    ("get_holiday_date", "The date of a named holiday or festival in a given year.",
+     [("year", "string", "Year, e.g. 2025", True), ("holiday_name", "string", "Holiday name", True)]),
+    ("get_user_historical_behaviors", "The user's basic information (user id, home and work address) and historical "
+     "preferences per scenario (categories, price range, ratings, times, recent orders, searches).", []),
+    ("get_user_all_orders", "All of the user's orders.", []),
+    ("get_nearby", "All stores/shops within a range (meters) of a point.",
+     [("longitude", "number", "Longitude", True), ("latitude", "number", "Latitude", True),
+      ("range", "number", "Range in meters", True)]),
+]
+DELIVERY_TOOLS = [
+    ("delivery_distance_to_time", "Delivery time (minutes) for a distance (meters).",
+     [("distance", "number", "Distance in meters", True)]),
+    ("get_delivery_store_info", "Store details: id, rating, address, coordinates, tags and product list.",
+     [("store_id", "string", "Store id", True)]),
+    ("get_delivery_product_info", "Food details: name, id, store name and id, price, tags.",
+     [("product_id", "string", "Food (product) id", True)]),
+    ("delivery_store_search_recommand", "Search/recommend delivery stores from keywords describing them.",
+     [("keywords", "string[]", "Keywords describing the store", True)]),
+    ("delivery_product_search_recommand", "Search/recommend food items from keywords describing them.",
+     [("keywords", "string[]", "Keywords describing the food", True)]),
+    ("create_delivery_order", "Create a delivery order from ONE store (several foods allowed). Returns the order "
+     "(unpaid); ask the user to confirm payment.",
+     [("user_id", "string", "User id", True), ("store_id", "string", "Store id", True),
+      ("product_ids", "string[]", "Food ids", True), ("product_cnts", "integer[]", "Quantity of each food id", True),
+      ("address", "string", "Delivery address", True),
+      ("dispatch_time", "string", "When the rider picks the food up at the store, yyyy-mm-dd HH:MM:SS, not in the past", True),
+      ("attributes", "string[]", "Specification/attributes of each food id", False),
+      ("note", "string", "Order note, e.g. dietary restrictions (not time requirements)", False)]),
+    ("pay_delivery_order", "Pay an unpaid delivery order after the user confirms.",
+     [("order_id", "string", "Order id", True)]),
+    ("get_delivery_order_status", "Status of a delivery order.", [("order_id", "string", "Order id", True)]),
+    ("cancel_delivery_order", "Cancel a delivery order (or its payment); not one already cancelled.",
+     [("order_id", "string", "Order id", True)]),
+    ("modify_delivery_order", "Change the note of a delivery order.",
+     [("order_id", "string", "Order id", True), ("note", "string", "New note", True)]),
+    ("search_delivery_orders", "The user's delivery orders with a given status.",
+     [("user_id", "string", "User id", True), ("status", "string", "Order status, default unpaid", False)]),
+    ("get_delivery_order_detail", "Full details of a delivery order.", [("order_id", "string", "Order id", True)]),
+]
+INSTORE_TOOLS = [
+    ("instore_shop_search_recommend", "Search/recommend in-store merchants from keywords (tags, names).",
+     [("keywords", "string[]", "Keywords describing the merchant", True)]),
+    ("instore_product_search_recommend", "Search/recommend in-store packages/products from keywords.",
+     [("keywords", "string[]", "Keywords describing the package", True)]),
+    ("create_instore_product_order", "Submit an in-store order for one package of a shop (unpaid).",
+     [("user_id", "string", "User id", True), ("shop_id", "string", "Merchant id", True),
+      ("product_id", "string", "Package id", True), ("quantity", "integer", "Quantity, default 1", False)]),
+    ("pay_instore_order", "Pay an unpaid in-store order.", [("order_id", "string", "Order id", True)]),
+    ("instore_cancel_order", "Cancel an in-store order (not one already cancelled).",
+     [("order_id", "string", "Order id", True)]),
+    ("instore_book", "Book a seat/table at a shop that supports booking (unpaid if the shop charges for it).",
+     [("user_id", "string", "User id", True), ("shop_id", "string", "Merchant id", True),
+      ("time", "string", "Booking time, yyyy-mm-dd HH:MM:SS", True), ("customer_count", "integer", "Party size, default 1", False)]),
+    ("pay_instore_book", "Pay a seat booking.", [("book_id", "string", "Booking id", True)]),
+    ("instore_cancel_book", "Cancel a seat booking.", [("book_id", "string", "Booking id", True)]),
+    ("instore_reservation", "Reserve a service time at a shop.",
+     [("user_id", "string", "User id", True), ("shop_id", "string", "Merchant id", True),
+      ("time", "string", "Reservation time, yyyy-mm-dd HH:MM:SS", True), ("customer_count", "integer", "Party size, default 1", False)]),
+    ("instore_modify_reservation", "Change the time (and party size) of a reservation.",
+     [("reservation_id", "string", "Reservation id", True), ("time", "string", "New time, yyyy-mm-dd HH:MM:SS", True),
+      ("customer_count", "integer", "New party size (0 keeps it)", False)]),
+    ("instore_cancel_reservation", "Cancel a reservation.", [("reservation_id", "string", "Reservation id", True)]),
+    ("get_instore_orders", "All in-store orders of a user.", [("user_id", "string", "User id", True)]),
+    ("get_instore_reservations", "All reservations of a user.", [("user_id", "string", "User id", True)]),
+    ("get_instore_books", "All seat bookings of a user.", [("user_id", "string", "User id", True)]),
+    ("search_instore_book", "A user's seat bookings, or one by id.",
+     [("user_id", "string", "User id", True), ("book_id", "string", "Booking id (optional)", False)]),
+    ("search_instore_reservation", "A user's reservations, or one by id.",
+     [("user_id", "string", "User id", True), ("reservation_id", "string", "Reservation id (optional)", False)]),
+]
+_TOOL_SPECS = {"delivery": GENERIC_TOOLS + DELIVERY_TOOLS, "instore": GENERIC_TOOLS + INSTORE_TOOLS}
+
+
+def _json_type(t: str) -> dict:
+    return {"type": "array", "items": {"type": t[:-2]}} if t.endswith("[]") else {"type": t}
+
+
+def tool_schemas(domain: str) -> list[dict]:
+    if domain not in _TOOL_SPECS:
+        raise ValueError(f"unknown VitaBench domain {domain!r}; choose one of: {', '.join(DOMAINS)}")
+    return [{"type": "function", "function": {
+        "name": name, "description": desc,
+        "parameters": {"type": "object",
+                       "properties": {a: {**_json_type(t), "description": d} for a, t, d, _ in args},
+                       "required": [a for a, _, _, req in args if req]}}}
+        for name, desc, args in _TOOL_SPECS[domain]]
+
+
+def _type_ok(value, t: str) -> bool:
+    if t.endswith("[]"):
+        return isinstance(value, list) and all(_type_ok(v, t[:-2]) for v in value)
+    if t == "string":
+        return isinstance(value, str)
+    if t == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "boolean":
+        return isinstance(value, bool)
+    return True
+
+
+# -------------------------------------------------------------------------------------- fuzzy helpers
+
+def _ratio(a: str, b: str) -> float:
+    return 100.0 * difflib.SequenceMatcher(None, a, b).ratio() if (a or b) else 0.0
+
+
+def _partial_ratio(a: str, b: str) -> float:
+    """Best ratio of the shorter string against equally long windows of the longer (case-insensitive)."""
+    a, b = a.lower(), b.lower()
+    short, long_ = (a, b) if len(a) <= len(b) else (b, a)
+    if not short:
+        return 0.0
+    best = 0.0
+    for i, j, _ in difflib.SequenceMatcher(None, short, long_).get_matching_blocks():
+        start = max(0, j - i)
+        best = max(best, _ratio(short, long_[start:start + len(short)]))
+        if best == 100.0:
+            break
+    return best
+
+
+def _distance(lon1, lat1, lon2, lat2) -> float:
+    if lon1 == lon2 and lat1 == lat2:
+        return 0.0
+    lon1, lat1, lon2, lat2 = map(math.radians, (lon1, lat1, lon2, lat2))
+    a = math.sin((lat2 - lat1) / 2) ** 2 + math.cos(lat1) * math.cos(lat2) * math.sin((lon2 - lon1) / 2) ** 2
+    return float(round(6371000 * 2 * math.asin(math.sqrt(a))))
+
+
+# Festival dates (get_holiday_date) and statutory days off (get_date_holiday_info), 2023-2026.
+FESTIVALS = {
+    "2023": {"New Year's Day": "01-01", "Spring Festival": "01-22", "Lantern Festival": "02-05", "Valentine's Day": "02-14",
+             "Qingming Festival": "04-05", "Labor Day": "05-01", "Mother's Day": "05-14", "Father's Day": "06-18",
+             "Dragon Boat Festival": "06-22", "Qixi Festival": "08-22", "Mid-Autumn Festival": "09-29",
+             "National Day": "10-01", "Double Ninth Festival": "10-23", "Winter Solstice": "12-22", "Christmas Day": "12-25"},
+    "2024": {"New Year's Day": "01-01", "Spring Festival": "02-10", "Valentine's Day": "02-14", "Lantern Festival": "02-24",
+             "Qingming Festival": "04-04", "Labor Day": "05-01", "Mother's Day": "05-12", "Dragon Boat Festival": "06-10",
+             "Father's Day": "06-16", "Qixi Festival": "08-10", "Mid-Autumn Festival": "09-17", "National Day": "10-01",
+             "Double Ninth Festival": "10-11", "Winter Solstice": "12-21", "Christmas Day": "12-25"},
+    "2025": {"New Year's Day": "01-01", "Laba Festival": "01-07", "Spring Festival": "01-29", "Lantern Festival": "02-12",
+             "Valentine's Day": "02-14", "Dragon Head Festival": "03-01", "Women's Day": "03-08",
+             "Qingming Festival": "04-04", "Labor Day": "05-01", "Mother's Day": "05-11", "Dragon Boat Festival": "05-31",
+             "Father's Day": "06-15", "Party Founding Day": "07-01", "Start of Autumn": "08-07", "Qixi Festival": "08-29",
+             "National Day": "10-01", "Mid-Autumn Festival": "10-06", "Double Ninth Festival": "10-29",
+             "Winter Solstice": "12-21", "Christmas Day": "12-25"},
+    "2026": {"New Year's Day": "01-01", "Valentine's Day": "02-14", "Spring Festival": "02-17", "Lantern Festival": "03-03",
+             "Qingming Festival": "04-05", "Labor Day": "05-01", "Mother's Day": "05-10", "Dragon Boat Festival": "06-19",
+             "Father's Day": "06-21", "Qixi Festival": "08-19", "Mid-Autumn Festival": "09-25", "National Day": "10-01",
+             "Double Ninth Festival": "10-18", "Winter Solstice": "12-22", "Christmas Day": "12-25"},
+}
+ZH_NAMES = {"New Year's Day": "元旦", "Spring Festival": "春节", "Lantern Festival": "元宵节", "Valentine's Day": "情人节",
+            "Qingming Festival": "清明节", "Labor Day": "劳动节", "Mother's Day": "母亲节", "Father's Day": "父亲节",
+            "Dragon Boat Festival": "端午节", "Qixi Festival": "七夕节", "Mid-Autumn Festival": "中秋节",
+            "National Day": "国庆节", "Double Ninth Festival": "重阳节", "Winter Solstice": "冬至", "Christmas Day": "圣诞节",
+            "Laba Festival": "腊八节", "Dragon Head Festival": "龙抬头", "Women's Day": "妇女节",
+            "Party Founding Day": "建党节", "Start of Autumn": "立秋"}
+DAYS_OFF = {  # (first, last, name) per year
+    "2023": [("01-01", "01-02", "New Year's Day"), ("01-21", "01-27", "Spring Festival"), ("04-05", "04-05", "Qingming Festival"),
+             ("04-29", "05-03", "Labor Day"), ("06-22", "06-24", "Dragon Boat Festival"),
+             ("09-29", "09-29", "Mid-Autumn Festival"), ("09-30", "10-06", "National Day")],
+    "2024": [("01-01", "01-01", "New Year's Day"), ("02-10", "02-17", "Spring Festival"), ("04-04", "04-06", "Qingming Festival"),
+             ("05-01", "05-05", "Labor Day"), ("06-10", "06-10", "Dragon Boat Festival"),
+             ("09-15", "09-17", "Mid-Autumn Festival"), ("10-01", "10-07", "National Day")],
+    "2025": [("01-01", "01-01", "New Year's Day"), ("01-28", "02-04", "Spring Festival"), ("04-04", "04-06", "Qingming Festival"),
+             ("05-01", "05-05", "Labor Day"), ("05-31", "06-02", "Dragon Boat Festival"),
+             ("10-06", "10-06", "Mid-Autumn Festival"), ("10-01", "10-08", "National Day")],
+    "2026": [("01-01", "01-03", "New Year's Day"), ("02-15", "02-23", "Spring Festival"), ("04-04", "04-06", "Qingming Festival"),
+             ("05-01", "05-05", "Labor Day"), ("06-19", "06-21", "Dragon Boat Festival"),
+             ("09-25", "09-27", "Mid-Autumn Festival"), ("10-01", "10-07", "National Day")],
+}
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+class ToolError(Exception):
+    pass
+
+
+def _need(cond, msg):
+    if not cond:
+        raise ToolError(msg)
+
+
+def _check_time(value: str, fmt: str = TIME_FMT) -> bool:
+    try:
+        datetime.strptime(value, fmt)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def _dump(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+ID_KEYS = ("order_id", "book_id", "reservation_id")
+
+
+class VitaEnv:
+    """One task's database plus the domain tools. step() never raises."""
+
+    def __init__(self, task: Task, user_fn=None):
+        self.task = task
+        self.domain = task.metadata["domain"]
+        self.lang = task.metadata.get("lang", "en")
+        self.user_fn = user_fn
+        self.db = copy.deepcopy(task.metadata["environment"])
+        for key in ("orders", "books", "reservations"):
+            self.db[key] = dict(self.db.get(key) or {})
+        self.initial = copy.deepcopy({k: self.db[k] for k in ("orders", "books", "reservations")})
+        self.counter = 0
+        self.aliases: dict[str, str] = {}      # ids invented in rehearsal -> ids really created
+        self.last_created: str | None = None
+        self.specs = {name: args for name, _, args in _TOOL_SPECS[self.domain]}
+        self.stores = (self.db.get("stores") if self.domain == "delivery" else self.db.get("shops")) or {}
+
+    # -- protocol
+    def step(self, name: str, arguments: dict) -> str:
+        self.last_created = None
+        if name not in self.specs:
+            return f"Error: unknown tool {name!r}; available tools: {', '.join(self.specs)}"
+        if not isinstance(arguments, dict):
+            return f"Error: arguments for {name} must be a JSON object, got {type(arguments).__name__}"
+        spec = self.specs[name]
+        allowed = {a for a, *_ in spec}
+        extra = [k for k in arguments if k not in allowed]
+        if extra:
+            return f"Error: {name} got unexpected argument(s) {extra}; expected {sorted(allowed)}"
+        for arg, t, _, required in spec:
+            if arg not in arguments or arguments[arg] is None:
+                if required:
+                    return f"Error: {name} is missing required argument {arg!r}"
+                continue
+            if not _type_ok(arguments[arg], t):
+                return (f"Error: argument {arg!r} of {name} must be of type {t}, "
+                        f"got {type(arguments[arg]).__name__} {arguments[arg]!r}")
+        args = {k: v for k, v in arguments.items() if v is not None}
+        try:
+            return getattr(self, "_t_" + name)(**args)
+        except ToolError as e:
+            return f"Error: {e}"
+        except Exception as e:   # a bug or a data corner: still an observation, never a crash
+            return f"Error: {type(e).__name__}: {e}"
+
+    def user_turn(self, assistant_text: str) -> str | None:
+        if self.user_fn is None or STOP in (assistant_text or ""):
+            return None
+        return self.user_fn(assistant_text, self.task)
+
+    # -- helpers
+    @property
+    def now(self) -> str:
+        return self.db.get("time") or datetime.now().strftime(TIME_FMT)
+
+    def _user_ok(self, user_id: str):
+        _need(user_id, "User ID cannot be empty")
+        _need(user_id == self.db.get("user_id"), "User ID does not match")
+
+    def _new_id(self, prefix: str, scenario: str) -> str:
+        self.counter += 1
+        oid = prefix + hashlib.md5(f"{scenario}|{self.db.get('user_id')}|{self.counter}".encode()).hexdigest()[:10]
+        self.last_created = oid
+        return oid
+
+    def _resolve(self, table: str, item_id: str) -> dict:
+        item_id = self.aliases.get(item_id, item_id)
+        if item_id in self.db[table]:
+            return self.db[table][item_id]
+        for x in self.db[table].values():        # a few initial rows are stored under a key != their id
+            if item_id in (x.get(k) for k in ID_KEYS):
+                return x
+        raise ToolError(f"{table[:-1].capitalize()} {item_id} not found")
+
+    def _products(self) -> dict[str, dict]:
+        """product_id -> product (with its store id/name); first store wins for duplicate ids."""
+        out = {}
+        for sid, s in self.stores.items():
+            for p in s.get("products") or []:
+                if p.get("product_id") and p["product_id"] not in out:
+                    out[p["product_id"]] = {**p, "store_id": p.get("store_id") or p.get("shop_id") or sid,
+                                            "store_name": p.get("store_name") or s.get("name") or s.get("shop_name")}
+        return out
+
+    def _store_brief(self, s: dict) -> dict:
+        return {k: v for k, v in s.items() if k != "products"}
+
+    def _known_locations(self) -> dict[str, tuple[float, float]]:
+        locs = {}
+        for loc in self.db.get("location") or []:
+            locs[loc["address"]] = (loc["longitude"], loc["latitude"])
+        for s in self.stores.values():
+            if s.get("location"):
+                locs.setdefault(s["location"]["address"], (s["location"]["longitude"], s["location"]["latitude"]))
+        for o in self.db["orders"].values():
+            if o.get("location"):
+                locs.setdefault(o["location"]["address"], (o["location"]["longitude"], o["location"]["latitude"]))
+        return locs
+
+    def _locate(self, address: str) -> tuple[float, float]:
+        locs = self._known_locations()
+        if address in locs:
+            return locs[address]
+        scored = sorted(((_partial_ratio(address, a), a) for a in locs), key=lambda x: -x[0])
+        if scored and scored[0][0] >= 30 and _ratio(address.lower(), scored[0][1].lower()) >= 20:
+            return locs[scored[0][1]]
+        raise ToolError(f"Longitude and latitude not found for address {address}")
+
+    def _search(self, keywords: list[str], docs: dict[str, str], top_k: int) -> list[str]:
+        kws = [k for k in keywords if k.strip()] or [""]
+        scored = [(sum(_partial_ratio(k, doc) for k in kws) / len(kws), i, key) for i, (key, doc) in enumerate(docs.items())]
+        scored.sort(key=lambda x: (-x[0], x[1]))
+        return [key for _, _, key in scored[:top_k]]
+
+    # -- generic tools
+    def _t_longitude_latitude_to_distance(self, longitude1, latitude1, longitude2, latitude2):
+        return _dump(_distance(longitude1, latitude1, longitude2, latitude2))
+
+    def _t_weather(self, address, date_start, date_end):
+        _need(_check_time(date_start, "%Y-%m-%d"), f"Invalid date_start format. Expected yyyy-mm-dd, got: {date_start}")
+        _need(_check_time(date_end, "%Y-%m-%d"), f"Invalid date_end format. Expected yyyy-mm-dd, got: {date_end}")
+        cities = list(dict.fromkeys(w["city"] for w in self.db.get("weather") or []))
+        best = max(cities, key=lambda c: _partial_ratio(address, c), default=None)
+        _need(best is not None and _partial_ratio(address, best) >= 50, f"Weather information not found for {address}")
+        rows = sorted((w for w in self.db["weather"] if w["city"] == best and date_start <= w["datetime"] <= date_end),
+                      key=lambda w: w["datetime"])
+        return "\n".join(_dump(w) for w in rows) if rows else \
+            f"No weather information found for {best} between {date_start} and {date_end}"
+
+    def _t_address_to_longitude_latitude(self, address):
+        return _dump(list(self._locate(address)))
+
+    def _t_get_date_holiday_info(self, date):
+        _need(_check_time(date, "%Y-%m-%d"), f"Date format error, should be yyyy-mm-dd, actual: {date}")
+        for first, last, name in DAYS_OFF.get(date[:4], []):
+            if date[:4] + "-" + first <= date <= date[:4] + "-" + last:
+                return ZH_NAMES[name] if self.lang == "zh" else name
+        return f"Date {date} is not a holiday"
+
+    def _t_get_holiday_date(self, year, holiday_name):
+        table = FESTIVALS.get(str(year))
+        if table is None:
+            return f"Holiday data for year {year} not found"
+        names = {(ZH_NAMES[n] if self.lang == "zh" else n): d for n, d in table.items()}
+        best = max(names, key=lambda n: _partial_ratio(holiday_name, n))
+        if _partial_ratio(holiday_name, best) >= 80:
+            return f"{year}-{names[best]}"
+        return f"Holiday named '{holiday_name}' not found in year {year}"
+
+    def _t_get_user_historical_behaviors(self):
+        return _dump(self.db.get("user_historical_behaviors") or {})
+
+    def _t_get_user_all_orders(self):
+        orders = list(self.db["orders"].values())
+        return "\n".join(_dump(o) for o in orders) if orders else "User currently has no order information"
+
+    def _t_get_nearby(self, longitude, latitude, range):
+        near = [self._store_brief(s) for s in self.stores.values() if s.get("location") and
+                _distance(longitude, latitude, s["location"]["longitude"], s["location"]["latitude"]) <= range]
+        return "\n".join(_dump(s) for s in near) if near else "No search results found"
+
+    # -- delivery tools
+    def _t_delivery_distance_to_time(self, distance):
+        return _dump(float(round(25.0 + int(distance) * 0.006510)))
+
+    def _t_get_delivery_store_info(self, store_id):
+        _need(store_id in self.stores, f"Store {store_id} not found")
+        return _dump(self.stores[store_id])
+
+    def _t_get_delivery_product_info(self, product_id):
+        products = self._products()
+        _need(product_id in products, f"{product_id} not found")
+        return _dump(products[product_id])
+
+    def _t_delivery_store_search_recommand(self, keywords):
+        docs = {sid: f"{s.get('name', '')} {' '.join(s.get('tags') or [])}" for sid, s in self.stores.items()}
+        return "\n".join(_dump(self._store_brief(self.stores[sid])) for sid in self._search(keywords, docs, 100))
+
+    def _t_delivery_product_search_recommand(self, keywords):
+        products = self._products()
+        docs = {pid: f"{p.get('store_name', '')} {p.get('name', '')} {' '.join(p.get('tags') or [])}" for pid, p in products.items()}
+        return "\n".join(_dump(products[pid]) for pid in self._search(keywords, docs, 100))
+
+    def _t_create_delivery_order(self, user_id, store_id, product_ids, product_cnts, address, dispatch_time,
+                                 attributes=None, note=""):
+        self._user_ok(user_id)
+        _need(store_id in self.stores, f"Store {store_id} not found")
+        products = self._products()
+        missing = [p for p in product_ids if p not in products]
+        _need(product_ids and not missing, f"products {missing or product_ids} not found")
+        _need(address != "", "Location is empty")
+        _need(len(product_ids) == len(product_cnts) and all(int(c) > 0 for c in product_cnts),
+              f"product_cnts {product_cnts} list is invalid")
+        _need(_check_time(dispatch_time), f"dispatch_time {dispatch_time} time format is invalid, yyyy-mm-dd HH:MM:SS required")
+        _need(dispatch_time >= self.now, f"dispatch_time {dispatch_time} must be in the future")
+        lon, lat = self._locate(address)
+        store = self.stores[store_id]
+        dist = _distance(lon, lat, store["location"]["longitude"], store["location"]["latitude"])
+        shipping = float(round(25.0 + int(dist) * 0.006510))
+        delivery_time = (datetime.strptime(dispatch_time, TIME_FMT) + timedelta(minutes=shipping)).strftime(TIME_FMT)
+        attrs = list(attributes or []) + [""] * len(product_ids)
+        lines = [{"product_id": pid, "name": products[pid].get("name"), "store_id": products[pid]["store_id"],
+                  "price": products[pid].get("price", 0), "quantity": int(c), "attributes": attrs[i] or ""}
+                 for i, (pid, c) in enumerate(zip(product_ids, product_cnts))]
+        order = {"order_id": self._new_id("OT", "delivery"), "order_type": "delivery", "user_id": user_id,
+                 "store_id": store_id, "note": note,
+                 "location": {"address": address, "longitude": lon, "latitude": lat},
+                 "dispatch_time": dispatch_time, "shipping_time": shipping, "delivery_time": delivery_time,
+                 "total_price": round(sum(l["price"] * l["quantity"] for l in lines), 2),
+                 "create_time": self.now, "update_time": self.now, "status": "unpaid", "products": lines}
+        self.db["orders"][order["order_id"]] = order
+        return _dump(order)
+
+    def _delivery_order(self, order_id):
+        o = self._resolve("orders", order_id)
+        _need(o.get("order_type") == "delivery", f"Order {order_id} is not a delivery order")
+        return o
+
+    def _t_pay_delivery_order(self, order_id):
+        o = self._delivery_order(order_id)
+        if o["status"] != "unpaid":
+            return "Order is not in `unpaid` status."
+        o["status"], o["update_time"] = "paid", self.now
+        return "Payment successful"
+
+    def _t_get_delivery_order_status(self, order_id):
+        return self._delivery_order(order_id)["status"]
+
+    def _t_cancel_delivery_order(self, order_id):
+        o = self._delivery_order(order_id)
+        _need(o["status"] != "cancelled", f"Order {o['order_id']} is already cancelled")
+        o["status"], o["update_time"] = "cancelled", self.now
+        return f"Order {o['order_id']} has been cancelled."
+
+    def _t_modify_delivery_order(self, order_id, note):
+        o = self._delivery_order(order_id)
+        o["note"], o["update_time"] = note, self.now
+        return f"Order {o['order_id']} has been modified."
+
+    def _t_search_delivery_orders(self, user_id, status="unpaid"):
+        self._user_ok(user_id)
+        rows = [o for o in self.db["orders"].values()
+                if o.get("order_type") == "delivery" and o.get("status") == status and o.get("user_id") == user_id]
+        return "\n".join(_dump(o) for o in rows) if rows else "No delivery orders available"
+
+    def _t_get_delivery_order_detail(self, order_id):
+        return _dump(self._delivery_order(order_id))
+
+    # -- in-store tools
+    def _t_instore_shop_search_recommend(self, keywords):
+        docs = {sid: f"{s.get('shop_name', '')},{','.join(s.get('tags') or [])}" for sid, s in self.stores.items()}
+        return "\n".join(_dump(self._store_brief(self.stores[sid])) for sid in self._search(keywords, docs, 1000))
+
+    def _t_instore_product_search_recommend(self, keywords):
+        products = self._products()
+        docs = {pid: f"{p.get('name', '')},{','.join(p.get('tags') or [])}" for pid, p in products.items()}
+        return "\n".join(_dump(products[pid]) for pid in self._search(keywords, docs, 1000))
+
+    def _t_create_instore_product_order(self, user_id, shop_id, product_id, quantity=1):
+        self._user_ok(user_id)
+        _need(shop_id in self.stores, "Shop does not exist")
+        prods = {p.get("product_id"): p for p in self.stores[shop_id].get("products") or []}
+        _need(product_id in prods, "Product does not exist")
+        _need(int(quantity) > 0, "Quantity must be greater than 0")
+        p = prods[product_id]
+        order = {"order_id": self._new_id("OI", "instore"), "order_type": "instore", "user_id": user_id,
+                 "store_id": shop_id, "note": "", "location": None, "total_price": round(int(quantity) * p.get("price", 0), 2),
+                 "create_time": self.now, "update_time": self.now, "status": "unpaid",
+                 "products": [{"product_id": product_id, "name": p.get("name"), "shop_id": shop_id,
+                               "price": p.get("price", 0), "quantity": int(quantity), "tags": p.get("tags", [])}]}
+        self.db["orders"][order["order_id"]] = order
+        return _dump(order)
+
+    def _instore_order(self, order_id):
+        o = self._resolve("orders", order_id)
+        _need(o.get("order_type") == "instore", f"Order {order_id} is not an instore order")
+        return o
+
+    def _t_pay_instore_order(self, order_id):
+        _need(order_id, "Order ID cannot be empty")
+        o = self._instore_order(order_id)
+        if o["status"] != "unpaid":
+            return f"Order {o['order_id']} is not in `unpaid` status."
+        o["status"], o["update_time"] = "paid", self.now
+        return "Payment successful"
+
+    def _t_instore_cancel_order(self, order_id):
+        _need(order_id, "Order ID cannot be empty")
+        o = self._instore_order(order_id)
+        if o["status"] == "cancelled":
+            return f"Order {o['order_id']} is already cancelled."
+        o["status"], o["update_time"] = "cancelled", self.now
+        return f"Order {o['order_id']} is cancelled."
+
+    def _t_instore_book(self, user_id, shop_id, time, customer_count=1):
+        self._user_ok(user_id)
+        _need(shop_id in self.stores, "Shop does not exist")
+        _need(int(customer_count) > 0, "Number of customers for table booking must be greater than 0")
+        _need(_check_time(time), "Table booking time format is incorrect, correct format is %Y-%m-%d %H:%M:%S")
+        shop = self.stores[shop_id]
+        _need(shop.get("enable_book"), "Shop does not support table booking")
+        price = shop.get("book_price", 0) or 0
+        book = {"book_id": self._new_id("OI", "instore_book"), "shop_id": shop_id, "book_time": time,
+                "customer_id": user_id, "customer_count": int(customer_count), "book_price": price,
+                "status": "unpaid" if price > 0 else "paid", "update_time": self.now}
+        self.db["books"][book["book_id"]] = book
+        return _dump(book)
+
+    def _t_pay_instore_book(self, book_id):
+        b = self._resolve("books", book_id)
+        if b["status"] != "unpaid":
+            return f"BookInfo {b['book_id']} is not in `unpaid` status."
+        b["status"], b["update_time"] = "paid", self.now
+        return "Payment successful"
+
+    def _t_instore_cancel_book(self, book_id):
+        b = self._resolve("books", book_id)
+        if b["status"] == "cancelled":
+            return f"BookInfo {b['book_id']} is already cancelled."
+        b["status"], b["update_time"] = "cancelled", self.now
+        return f"BookInfo {b['book_id']} is cancelled."
+
+    def _t_instore_reservation(self, user_id, shop_id, time, customer_count=1):
+        self._user_ok(user_id)
+        _need(shop_id in self.stores, "Shop does not exist")
+        _need(_check_time(time), "Reservation time format is incorrect, correct format is %Y-%m-%d %H:%M:%S")
+        _need(int(customer_count) > 0, "Number of customers for reservation must be greater than 0")
+        r = {"reservation_id": self._new_id("OI", "instore_reservation"), "shop_id": shop_id, "reservation_time": time,
+             "customer_id": user_id, "customer_count": int(customer_count), "status": "unconsumed", "update_time": self.now}
+        self.db["reservations"][r["reservation_id"]] = r
+        return _dump(r)
+
+    def _t_instore_modify_reservation(self, reservation_id, time, customer_count=0):
+        r = self._resolve("reservations", reservation_id)
+        if r["status"] in ("consumed", "cancelled"):
+            return f"ReservationInfo {r['reservation_id']} is already {r['status']}."
+        _need(int(customer_count) >= 0, "Number of customers for reservation must be greater than or equal to 0")
+        _need(_check_time(time), "Reservation time format is incorrect, correct format is %Y-%m-%d %H:%M:%S")
+        r["reservation_time"], r["update_time"] = time, self.now
+        if int(customer_count) > 0:
+            r["customer_count"] = int(customer_count)
+        return _dump(r)
+
+    def _t_instore_cancel_reservation(self, reservation_id):
+        r = self._resolve("reservations", reservation_id)
+        if r["status"] == "cancelled":
+            return f"ReservationInfo {r['reservation_id']} is already cancelled."
+        r["status"], r["update_time"] = "cancelled", self.now
+        return f"ReservationInfo {r['reservation_id']} is cancelled."
+
+    def _t_get_instore_orders(self, user_id):
+        self._user_ok(user_id)
+        rows = [o for o in self.db["orders"].values() if o.get("order_type") == "instore" and o.get("user_id") == user_id]
+        return "\n".join(_dump(o) for o in rows) if rows else f"User {user_id} has no order information."
+
+    def _user_rows(self, table, user_id, what):
+        self._user_ok(user_id)
+        rows = [x for x in self.db[table].values() if x.get("customer_id") == user_id]
+        return "\n".join(_dump(x) for x in rows) if rows else f"User {user_id} has no {what} information."
+
+    def _t_get_instore_reservations(self, user_id):
+        return self._user_rows("reservations", user_id, "reservation")
+
+    def _t_get_instore_books(self, user_id):
+        return self._user_rows("books", user_id, "book")
+
+    def _t_search_instore_book(self, user_id, book_id=None):
+        if book_id is None:
+            return self._user_rows("books", user_id, "book")
+        self._user_ok(user_id)
+        b = self._resolve("books", book_id)
+        return _dump(b) if b.get("customer_id") == user_id else f"BookInfo {book_id} does not belong to user {user_id}."
+
+    def _t_search_instore_reservation(self, user_id, reservation_id=None):
+        if reservation_id is None:
+            return self._user_rows("reservations", user_id, "reservation")
+        self._user_ok(user_id)
+        r = self._resolve("reservations", reservation_id)
+        return _dump(r) if r.get("customer_id") == user_id else \
+            f"ReservationInfo {reservation_id} does not belong to user {user_id}."
+
+    # -- state for scoring
+    def final_items(self) -> list[dict]:
+        return [_item(x, key in self.initial[table], self.initial[table].get(key))
+                for table in ("orders", "books", "reservations") for key, x in self.db[table].items()]
+
+
+def make_env(task: Task, user_fn=None) -> VitaEnv:
+    return VitaEnv(task, user_fn=user_fn)
+
+
+# -------------------------------------------------------------------------------------------- scoring
+
+def _kind(x: dict) -> str:
+    return "order" if "order_id" in x else "book" if "book_id" in x else "reservation" if "reservation_id" in x else "?"
+
+
+def _status_class(kind: str, status: str) -> str:
+    if status == "cancelled":
+        return "cancelled"
+    if kind == "reservation":
+        return "active"
+    return "unpaid" if status == "unpaid" else "paid"
+
+
+def _norm_time(t):
+    return t + ":00" if isinstance(t, str) and len(t) == 16 else t   # "2024-10-26 16:00" in a few tasks
+
+
+def _item(x: dict, initial=False, initial_row=None) -> dict:
+    kind = _kind(x)
+    it = {"kind": kind, "id": x.get("order_id") or x.get("book_id") or x.get("reservation_id"),
+          "status": _status_class(kind, x.get("status", "")), "initial": initial,
+          "changed": initial_row is not None and initial_row.get("status") != x.get("status")}
+    if kind == "order":
+        qty = {}
+        for p in x.get("products") or []:
+            if isinstance(p, dict) and p.get("product_id"):
+                qty[p["product_id"]] = qty.get(p["product_id"], 0) + int(p.get("quantity") or 0)
+        it.update(store=x.get("store_id"), products=qty)
+    else:
+        it.update(store=x.get("shop_id"), time=_norm_time(x.get("reservation_time") or x.get("book_time")),
+                  count=x.get("customer_count"))
+    return it
+
+
+def _item_score(req: dict, got: dict) -> float:
+    if req["kind"] != got["kind"]:
+        return 0.0
+    if req["kind"] == "order":
+        r, g = req["products"], got["products"]
+        union = set(r) | set(g)
+        jac = len(set(r) & set(g)) / len(union) if union else 1.0
+        qty = sum(g.get(p) == q for p, q in r.items()) / len(r) if r else float(not g)
+        parts = [req["store"] == got["store"], jac, qty, req["status"] == got["status"]]
+    else:
+        parts = [req["store"] == got["store"], req["time"] == got["time"], req["count"] == got["count"],
+                 req["status"] == got["status"]]
+    return sum(float(p) for p in parts) / 4
+
+
+def order_state_proxy(task: Task, final: list[dict]) -> dict:
+    """Match required items to final-state items one-to-one (greedy, best pairs first)."""
+    required = [_item(x) for x in task.ground_truth["required_orders"]]
+    pairs = sorted(((_item_score(r, f), i, j) for i, r in enumerate(required) for j, f in enumerate(final)),
+                   key=lambda x: (-x[0], x[1], x[2]))
+    match, used = {}, set()
+    for s, i, j in pairs:
+        if s > 0 and i not in match and j not in used:
+            match[i] = (j, s)
+            used.add(j)
+    unwanted = [f["id"] for j, f in enumerate(final) if j not in used and
+                ((not f["initial"] and f["status"] != "cancelled") or (f["initial"] and f["changed"]))]
+    per_item = [{"required": r["id"], "kind": r["kind"], "matched": final[match[i][0]]["id"] if i in match else None,
+                 "score": match[i][1] if i in match else 0.0} for i, r in enumerate(required)]
+    total = sum(p["score"] for p in per_item)
+    denom = len(required) + len(unwanted)
+    reward = total / denom if denom else 1.0
+    return {"metric": "order_state_proxy", "reward": reward, "n_required": len(required),
+            "n_exact": sum(p["score"] == 1.0 for p in per_item), "unwanted": unwanted, "items": per_item}
+
+
+_ID_RE = re.compile(r'"?(order_id|book_id|reservation_id)"?\s*[:=]\s*"?([A-Za-z0-9_#\-]+)')
+_CREATES = {"create_delivery_order", "create_instore_product_order", "instore_book", "instore_reservation"}
+
+
+def replay(task: Task, calls: list[ToolCall], observations: list[str] | None = None) -> tuple[VitaEnv, list[str]]:
+    """Run calls on a fresh env; alias ids claimed in the given (possibly rehearsed) observations of create
+    calls to the ids the replay really created."""
+    env = make_env(task)
+    outs = []
+    for i, c in enumerate(calls):
+        outs.append(env.step(c.name, c.arguments))
+        if c.name in _CREATES and env.last_created and observations and i < len(observations):
+            m = _ID_RE.search(observations[i] or "")
+            if m and m.group(2) != env.last_created:
+                env.aliases[m.group(2)] = env.last_created
+    return env, outs
+
+
+def score(task: Task, traj: Trajectory, judge_fn=None) -> Score:
+    env, outs = replay(task, traj.calls, traj.observations)
+    proxy = order_state_proxy(task, env.final_items())
+    components = {**proxy, "replay_errors": sum(o.startswith("Error") for o in outs), "n_calls": len(traj.calls)}
+    if judge_fn is None:
+        return Score(reward=float(proxy["reward"]), components=components)
+    rubrics = task.ground_truth["rubrics"]
+    met = list(judge_fn(rubrics, traj.messages, {k: env.db[k] for k in ("orders", "books", "reservations")}))
+    rubric_score = sum(map(bool, met)) / len(rubrics) if rubrics else 1.0
+    official = float(bool(rubrics) and len(met) == len(rubrics) and all(met)) if rubrics else 1.0
+    components.update(metric="rubric_judge", proxy_reward=proxy["reward"], rubric_score=rubric_score, rubrics_met=met)
+    return Score(reward=official, components=components)
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+def reference_calls(task: Task) -> tuple[list[ToolCall], list[str]]:
+    """A call sequence that produces the task's required orders, derived from the ground truth on a live env
+    (so later calls can use the ids earlier ones created). Returns (calls, problems); problems lists why a
+    required item could not be produced (data defects); empty means fully derived."""
+    env = make_env(task)
+    user = env.db.get("user_id")
+    calls, problems = [], []
+    initial = [i for i in env.final_items()]
+    used = set()
+
+    def call(name, **args):
+        out = env.step(name, args)
+        calls.append(ToolCall(name=name, arguments=args, turn=len(calls)))
+        if out.startswith("Error"):
+            problems.append(f"{name}: {out}")
+        return out
+
+    for raw in task.ground_truth["required_orders"]:
+        req = _item(raw)
+        kind, target = req["kind"], req["status"]
+        same = [j for j, f in enumerate(initial) if j not in used and f["kind"] == kind and f["store"] == req["store"]
+                and ((kind == "order" and f["products"] == req["products"]) or
+                     (kind != "order" and f["time"] == req["time"] and f["count"] == req["count"]))]
+        if same:
+            j = same[0]
+            used.add(j)
+            f = initial[j]
+            if f["status"] == target:
+                continue
+            if target == "cancelled":
+                name = {"order": "cancel_delivery_order" if env.domain == "delivery" else "instore_cancel_order",
+                        "book": "instore_cancel_book", "reservation": "instore_cancel_reservation"}[kind]
+                call(name, **{ID_KEYS[("order", "book", "reservation").index(kind)]: f["id"]})
+            elif f["status"] == "unpaid" and target == "paid":
+                name = {"order": "pay_delivery_order" if env.domain == "delivery" else "pay_instore_order",
+                        "book": "pay_instore_book"}[kind]
+                call(name, **{"order_id" if kind == "order" else "book_id": f["id"]})
+            else:
+                problems.append(f"{req['id']}: cannot move {f['status']} -> {target}")
+            continue
+        if kind == "order" and env.domain == "delivery":
+            loc = raw.get("location") or {}
+            address = loc.get("address") or (env.db.get("location") or [{}])[0].get("address", "")
+            prods = [p for p in raw.get("products") or [] if p.get("product_id")]
+            call("create_delivery_order", user_id=user, store_id=raw["store_id"],
+                 product_ids=[p["product_id"] for p in prods], product_cnts=[int(p.get("quantity") or 1) for p in prods],
+                 address=address, dispatch_time=env.now,
+                 attributes=[p.get("attributes") if isinstance(p.get("attributes"), str) else "" for p in prods],
+                 note=raw.get("note") or "")
+            oid, pay, cancel = env.last_created, "pay_delivery_order", "cancel_delivery_order"
+        elif kind == "order":
+            prods = raw.get("products") or []
+            if len(prods) != 1:
+                problems.append(f"{req['id']}: in-store orders hold one product, required has {len(prods)}")
+                continue
+            call("create_instore_product_order", user_id=user, shop_id=raw["store_id"],
+                 product_id=prods[0]["product_id"], quantity=int(prods[0].get("quantity") or 1))
+            oid, pay, cancel = env.last_created, "pay_instore_order", "instore_cancel_order"
+        elif kind == "book":
+            call("instore_book", user_id=user, shop_id=req["store"], time=req["time"] or "",
+                 customer_count=int(req["count"] or 1))
+            oid, pay, cancel = env.last_created, "pay_instore_book", "instore_cancel_book"
+        elif kind == "reservation":
+            call("instore_reservation", user_id=user, shop_id=req["store"], time=req["time"] or "",
+                 customer_count=int(req["count"] or 1))
+            oid, pay, cancel = env.last_created, None, "instore_cancel_reservation"
+        else:
+            problems.append(f"unknown required item {raw!r:.80}")
+            continue
+        if oid is None:
+            continue
+        key = {"order": "order_id", "book": "book_id", "reservation": "reservation_id"}[kind]
+        table = {"order": "orders", "book": "books", "reservation": "reservations"}[kind]
+        if target == "cancelled":
+            call(cancel, **{key: oid})
+        elif target == "paid" and pay and env.db[table][oid]["status"] == "unpaid":
+            call(pay, **{key: oid})
+    return calls, problems
