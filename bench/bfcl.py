@@ -35,7 +35,9 @@ initial_config. `Env.user_turn()` returns the next scripted user question, then 
 turn the data names, the held-out function's schema is added to `env.tools` and the user message carries it
 (BFCL's own "I have updated some more functions you can choose from" message); `task.metadata["held_out_tools"]`
 has the same schemas by turn. Calls are answered as BFCL answers them (results as str/JSON, exceptions as
-"Error during execution: ...").
+"Error during execution: ..."); as in BFCL, any method of the involved backends can be called, a held-out one too
+(the tool list is what the model is told, not a whitelist). The data's `excluded_function` field is unused by the
+package and ignored here too.
 
 Scoring is BFCL's own and is computed from the trajectory alone (the EnvACE rehearsal setting: during training no
 environment runs during the rollout and the observations in the trajectory may be invented by the policy, so
@@ -118,6 +120,9 @@ UNREACHABLE_GROUND_TRUTH = {
 
 MAX_STEPS_PER_TURN = 20   # BFCL's MAXIMUM_STEP_LIMIT: more calling steps in one user turn force-terminate the entry
 BLOCKED_NAMES = {"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"}   # BFCL refuses these
+# MathAPI computes what it is asked: power(10, 10**8) or square_root(2, precision=10**6) run for minutes. Such
+# calls are refused (an error observation, and an error result in scoring) instead; nothing in the data comes close.
+COSTLY_ARGUMENTS = {"power": ("exponent", 10**5), "square_root": ("precision", 10**4), "logarithm": ("precision", 10**4)}
 ADDED_FUNCTIONS_MESSAGE = "I have updated some more functions you can choose from. What about now?"
 # ast_checker reads MODEL_CONFIG_MAPPING[model_name.replace("_", "/")].underscore_to_dot; both keys exist in the
 # real model_config too, with these values (Qwen3-8B local FC handler: dots kept; Qwen3-8B API FC: dots -> "_").
@@ -181,7 +186,11 @@ def _multi_turn():
 def _backend_class(class_name: str):
     _package()
     from bfcl_eval.constants.executable_backend_config import CLASS_FILE_PATH_MAPPING
-    return getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[class_name]), class_name)
+    try:   # MathAPI needs mpmath, the one dependency we install next to the package
+        module = importlib.import_module(CLASS_FILE_PATH_MAPPING[class_name])
+    except ImportError as e:
+        raise BenchUnavailable(f"BFCL backend {class_name} cannot be imported ({e}); install with: {INSTALL}") from e
+    return getattr(module, class_name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -423,6 +432,12 @@ class SingleTurnEnv:
         return None
 
 
+def _too_costly(name, arguments: dict) -> bool:
+    key, limit = COSTLY_ARGUMENTS.get(name, (None, 0))
+    v = arguments.get(key) if key else None
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > limit
+
+
 def _format_result(result) -> str:
     """How BFCL turns a backend's return value into the observation text."""
     if type(result) == str:
@@ -476,6 +491,8 @@ class MultiTurnEnv:
         method = self.methods.get(name)
         if method is None:
             return f"Error during execution: name {name!r} is not defined"
+        if _too_costly(name, arguments):
+            return f"Error during execution: {COSTLY_ARGUMENTS[name][0]} is too large for this environment"
         try:
             return _format_result(method(**copy.deepcopy(arguments)))
         except Exception as e:   # BFCL reports every backend exception as text
@@ -527,6 +544,8 @@ def call_string(name, arguments, known: set | None = None) -> str:
         return "envace_unknown_function()"
     if not ok_args:
         return "envace_invalid_arguments()"
+    if _too_costly(name, arguments):
+        return "envace_argument_too_large()"
     return f"{name}({','.join(f'{k}={v!r}' for k, v in arguments.items())})"
 
 

@@ -137,6 +137,20 @@ def test_ground_truth_replay_ast(all_tasks, cat):
 
 
 @needs_bfcl
+def test_underscore_names_score_like_bfcl_api_fc():
+    tasks = [t for t in bfcl.load_tasks("simple_python,parallel_multiple", underscore_names=True)
+             if any("." in f["name"] for f in t.metadata["functions"])][:40]
+    assert tasks
+    for t in tasks:
+        assert not any("." in x["function"]["name"] for x in t.tools)
+        calls = bfcl.reference_calls(t)
+        assert bfcl.score(t, traj(t, calls)).reward == 1.0, t.id
+        dotted = [ToolCall(next(f["name"] for f in t.metadata["functions"] if f["name"].replace(".", "_") == c.name),
+                           c.arguments) for c in calls]
+        assert bfcl.score(t, traj(t, dotted)).reward == 0.0 or dotted == calls
+
+
+@needs_bfcl
 def test_relevance_semantics(all_tasks):
     for cat in ("irrelevance", "live_irrelevance"):
         for t in all_tasks[cat]:
@@ -296,6 +310,13 @@ def test_multi_turn_env_errors_are_observations(all_tasks, tmp_path):
         assert s.reward == 0.0
         assert isinstance(env.step(c.name, c.arguments), str)
     assert not canary.exists()
+    # arguments that would make MathAPI compute for minutes are refused, fast
+    m = next(t for t in all_tasks["multi_turn_base"] if "MathAPI" in t.metadata["involved_classes"])
+    menv = bfcl.make_env(m)
+    assert "too large" in menv.step("power", {"base": 10, "exponent": 10**9})
+    assert "too large" in menv.step("square_root", {"number": 2, "precision": 10**7})
+    assert '"result": 8' in menv.step("power", {"base": 2, "exponent": 3})
+    assert bfcl.score(m, traj(m, [ToolCall("logarithm", {"value": 2, "base": 10, "precision": 10**8})])).reward == 0
 
 
 @needs_bfcl
