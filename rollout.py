@@ -630,3 +630,83 @@ def describe_row(rollout: Rollout, tok, row: int) -> str:
         text = tok.decode(ids[s.start:s.end], skip_special_tokens=False)
         parts.append(f"[{s.role.name} t{s.turn} {s.end - s.start} tok]{text}")
     return "".join(parts) + f"\n[end: {rollout.end_reasons[row]}]"
+
+
+def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and roles of a finished chat (e.g. a reference trajectory), laid out exactly as a rehearsal
+    rollout would: assistant text + eos is ACT, each tool response + its closing tag is WORLD, the rest PROMPT.
+
+    Assistant text is cut from the template's own rendering, so any template's call format is respected.
+    """
+    tok, fmt = engine.tok, engine.fmt
+    ids = engine.prompt_ids(task)
+    roles = [int(Role.PROMPT)] * len(ids)
+    history = [dict(m) for m in task.messages]
+
+    def add(text, role, scaffold=False):
+        piece = engine.encode(text, scaffold)
+        ids.extend(piece)
+        roles.extend([int(role)] * len(piece))
+
+    rest = messages[len(task.messages):]
+    i = 0
+    while i < len(rest):
+        m = rest[i]
+        if m["role"] == "assistant":
+            before = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False,
+                                             add_generation_prompt=True)
+            history.append(m)
+            after = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False)
+            body = after[len(before):]
+            body = body[: body.rfind(tok.eos_token)]
+            add(body, Role.ACT, scaffold=True)
+            ids.append(fmt.eos_id)
+            roles.append(int(Role.ACT))
+            i += 1
+        elif m["role"] == "tool":
+            add(fmt.after_eos + fmt.tool_open, Role.PROMPT, True)
+            first = True
+            while i < len(rest) and rest[i]["role"] == "tool":
+                if not first:
+                    add(fmt.tool_sep, Role.PROMPT, True)
+                add(rest[i]["content"], Role.WORLD)
+                add(fmt.obs_end, Role.WORLD, True)
+                history.append(rest[i])
+                first, i = False, i + 1
+            add(fmt.tool_close, Role.PROMPT, True)
+        elif m["role"] == "user":
+            add(fmt.after_eos + fmt.user_open, Role.PROMPT, True)
+            add(m["content"], Role.PROMPT)
+            add(fmt.user_close, Role.PROMPT, True)
+            history.append(m)
+            i += 1
+        else:
+            raise ValueError(f"cannot encode a {m['role']!r} message after the opening messages")
+    return ids, roles
+
+
+def main(argv=None):
+    """Demo: roll out the tiny model on a few toy-world tasks and print one trajectory with role labels."""
+    import argparse
+
+    import policy
+    from bench import load_bench
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--bench", default="toyworld")
+    ap.add_argument("--world", default="rehearse", choices=["rehearse", "real"])
+    ap.add_argument("--group-size", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    model, tok = policy.load_policy(args.model)
+    bench = load_bench(args.bench)
+    tasks = bench.load_tasks("test", limit=2)
+    out = Engine(model, tok).run(tasks, args.group_size, SamplingConfig(seed=args.seed, max_new_tokens=64),
+                                 make_env=bench.make_env, world=args.world)
+    print(describe_row(out, tok, 0))
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()})
+
+
+if __name__ == "__main__":
+    main()
