@@ -411,8 +411,11 @@ def score(task: Task, traj: Trajectory) -> Score:
         id=f"{task.id}-replay", task_id=t2_task.id, start_time="", end_time="", duration=0.0,
         termination_reason=t2.TerminationReason.USER_STOP if completed else t2.TerminationReason.MAX_STEPS,
         messages=messages)
-    info = t2.evaluate_simulation(simulation=sim, task=sim_task, evaluation_type=t2.EvaluationType.ALL,
-                                  solo_mode=False, domain=task.metadata["domain"])
+    try:
+        info = t2.evaluate_simulation(simulation=sim, task=sim_task, evaluation_type=t2.EvaluationType.ALL,
+                                      solo_mode=False, domain=task.metadata["domain"])
+    except Exception as exc:   # e.g. the evaluator's own replay disagreeing with ours: a zero, not a dead batch
+        return Score(reward=0.0, components={"error": f"{type(exc).__name__}: {exc}", **stats})
     comp = {"reward_basis": [r.value for r in info.reward_basis] if info.reward_basis else [],
             "breakdown": {getattr(k, "value", k): v for k, v in (info.reward_breakdown or {}).items()},
             "completed": completed, "end_reason": traj.end_reason, **stats,
