@@ -409,7 +409,10 @@ class Engine:
             if row.turn >= self.cfg.max_turns:
                 return row.finish("max_turns")
             row.user_turn += 1
-            traj.messages.append({"role": "user", "content": reply})
+            user_msg = {"role": "user", "content": reply}
+            if getattr(row.env, "last_user_tool_calls", None):  # tau2 telecom: the user acted on their device
+                user_msg["user_tool_calls"] = list(row.env.last_user_tool_calls)
+            traj.messages.append(user_msg)
             row.plan.extend([("feed", self.encode(fmt.after_eos + fmt.user_open, True), Role.PROMPT),
                              ("feed", self.encode(reply), Role.PROMPT),
                              ("feed", self.encode(fmt.user_close, True), Role.PROMPT),
@@ -445,7 +448,7 @@ class Engine:
 
     # -- the generation loop ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the returned tensors feed the trainer's autograd
     def run(self, tasks: list[Task], group_size: int = 1, cfg: SamplingConfig | None = None,
             make_env: Callable[[Task], object] | None = None, world: str | WorldSwitch = "rehearse",
             use_cache: bool = True, steer: Steer | None = None, progress=None) -> Rollout:
@@ -630,6 +633,40 @@ def describe_row(rollout: Rollout, tok, row: int) -> str:
         text = tok.decode(ids[s.start:s.end], skip_special_tokens=False)
         parts.append(f"[{s.role.name} t{s.turn} {s.end - s.start} tok]{text}")
     return "".join(parts) + f"\n[end: {rollout.end_reasons[row]}]"
+
+
+def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
+    """A simulated user played by a model through this engine, in its own context (not the agent's).
+
+    Returns user_fn(messages, tools=None) -> str | {"content", "tool_calls"} as bench environments expect:
+    the user-simulator chat (its system prompt, the conversation with roles flipped) is rolled out for one
+    assistant turn. Each reply prefills the user's context anew; user turns are few and short next to the
+    agent's, so the agent's cache is what matters.
+    """
+    cfg = cfg or SamplingConfig(temperature=0.6, top_p=0.95)
+    engine = Engine(engine.model, engine.tok)   # its own state: it runs while the agent's rollout is paused
+    calls = [0]
+
+    def user_fn(messages, tools=None):
+        calls[0] += 1
+        task = Task(id=f"user-{calls[0]}", messages=messages, tools=tools or [], max_assistant_turns=1)
+        run_cfg = SamplingConfig(**{**cfg.__dict__, "seed": cfg.seed + calls[0]})
+        traj = engine.run([task], 1, run_cfg, world="real").trajectories[0]
+        last = next((m for m in reversed(traj.messages) if m["role"] == "assistant"), {"content": ""})
+        if last.get("tool_calls"):
+            return {"content": last.get("content", ""), "tool_calls": last["tool_calls"]}
+        return last.get("content", "")
+
+    return user_fn
+
+
+def make_env_fn(bench, user_fn=None):
+    """bench.make_env, given the simulated user where the benchmark takes one (tau2, vita)."""
+    import inspect
+    takes_user = "user_fn" in inspect.signature(bench.make_env).parameters
+    if takes_user and user_fn is not None:
+        return lambda task: bench.make_env(task, user_fn=user_fn)
+    return bench.make_env
 
 
 def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tuple[list[int], list[int]]:

@@ -52,12 +52,18 @@ def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    hidden = body(input_ids=ids, attention_mask=attention_mask).last_hidden_state      # [B, T, H]
+    # The root forward (not the inner decoder) must run, so FSDP's hooks gather the root's parameters; the
+    # LM head is swapped out for the call so it returns the final hidden states instead of [B, T, V] logits.
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(torch.nn.Identity())
+    try:
+        hidden = model(input_ids=ids, attention_mask=attention_mask).logits             # [B, T, H]
+    finally:
+        model.set_output_embeddings(head)
     predict = loss_mask[:, 1:]                                                          # token t from state t-1
     h = hidden[:, :-1][predict]                                                         # [N, H]
     targets = ids[:, 1:][predict]
-    weight = model.get_output_embeddings().weight
+    weight = head.weight
     parts = []
     for s in range(0, h.shape[0], chunk_size):
         if torch.is_grad_enabled():
@@ -145,3 +151,632 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     stats = {"clip_frac": float(clipped.sum() / n), "kl": float((kl * mask).sum() / n),
              "ratio_mean": float((ratio * mask).sum() / n), "tokens": int(mask.sum())}
     return loss, stats
+
+
+def role_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.Tensor, train_roles,
+                    scale_std: bool, per_role: bool):
+    """Per-token advantages [B, T]. per_role=True normalises each role over the rows that contain it, as the
+    official code's (task, role) groups do; otherwise one advantage per row for all its trained tokens."""
+    adv, flat = group_advantages(rewards, group_ids, scale_std)
+    out = adv[:, None].expand_as(roles).clone()
+    if per_role:
+        for role in train_roles:
+            has = (roles == int(role)).any(-1)
+            if not has.any():
+                continue
+            role_adv = torch.zeros_like(adv)
+            role_adv[has], _ = group_advantages(rewards[has], group_ids[has], scale_std)
+            out = torch.where(roles == int(role), role_adv[:, None], out)
+    return out, flat
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"              # 'tiny' (embedded, built on first use) or a local HF folder
+    bench: str = "toyworld"
+    split: str = "train"
+    out: str = "runs/tiny-toyworld"
+    env: str = "rehearse"            # rehearse (EnvACE) | real (standard GRPO with the environment)
+    train_roles: str = "act,world"   # act,world (EnvACE) | act (ablation)
+    steps: int = 60
+    tasks_per_step: int = 8
+    group_size: int = 4
+    lr: float = -1.0                 # -1: 1e-6 for real models (the paper), 3e-4 for the tiny one
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    updates_per_batch: int = 1
+    micro_batch: int = 8             # rows per forward/backward
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    max_world_tokens: int = 48
+    max_turns: int = 8
+    max_total_len: int = 2048
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 3.0
+    kl_coef: float = 0.0
+    aggregate: str = "token_mean"
+    scale_std: bool = True           # False: Dr.GRPO advantages (no std division)
+    per_role_adv: bool = False
+    act_weight: float = 1.0
+    world_weight: float = 1.0
+    defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
+    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: 150 for tiny, else 0
+    sft_batch: int = 16
+    sft_lr: float = 2e-3
+    sft_roles: str = "act,world"
+    seed: int = 0
+    save_every: int = 20
+    chunk_size: int = 1024
+    max_bad_steps: int = 3           # consecutive non-finite steps before the run stops
+    overwrite: bool = False
+
+    def resolved(self) -> "TrainConfig":
+        c = TrainConfig(**asdict(self))
+        tiny = c.model == "tiny"
+        if c.lr < 0:
+            c.lr = 3e-4 if tiny else 1e-6
+        if c.sft_steps < 0:
+            c.sft_steps = 150 if tiny and c.bench == "toyworld" else 0
+        return c
+
+
+ROLE_NAMES = {"act": Role.ACT, "world": Role.WORLD}
+
+
+class ConfigError(ValueError):
+    """A bad flag value; main() prints it as one line and exits 2."""
+
+
+def parse_roles(text: str) -> list[Role]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in ROLE_NAMES]
+    if bad or not names:
+        raise ConfigError(f"roles must be a comma list of act,world; got {text!r}")
+    return [ROLE_NAMES[n] for n in names]
+
+
+def validate(cfg: TrainConfig):
+    from bench import BENCHES
+    if cfg.bench not in BENCHES:
+        raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
+    if cfg.env not in ("rehearse", "real"):
+        raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
+    parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles)
+    positive = ["steps", "tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
+                "max_world_tokens", "max_turns", "max_total_len", "sft_batch", "save_every", "chunk_size",
+                "max_bad_steps"]
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    for name in ("lr", "sft_lr", "grad_clip", "clip_low", "clip_high", "temperature", "top_p"):
+        v = getattr(cfg, name)
+        if name == "lr" and v == -1.0:   # the 'auto' default
+            continue
+        if not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
+    if cfg.top_p > 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+    for name in ("kl_coef", "dual_clip", "defect_penalty", "weight_decay", "act_weight", "world_weight"):
+        if not math.isfinite(getattr(cfg, name)) or getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if 0 < cfg.dual_clip <= 1:
+        raise ConfigError(f"--dual-clip must be > 1 (or 0 to disable), got {cfg.dual_clip}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for name in ("tasks_per_step", "sft_batch"):
+        if getattr(cfg, name) % world:
+            raise ConfigError(f"--{name.replace('_', '-')} ({getattr(cfg, name)}) must be divisible by the number "
+                              f"of processes ({world}) so every rank gets the same work")
+    if cfg.aggregate not in ("token_mean", "seq_mean"):
+        raise ConfigError(f"--aggregate must be token_mean or seq_mean, not {cfg.aggregate!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Distributed setup: FSDP2 under torchrun (NCCL on CUDA, gloo on CPU), a plain module otherwise
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_dist() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return Dist(device=torch.device("cuda" if cuda else "cpu"))
+    import torch.distributed as dist
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(rank=dist.get_rank(), world=world, device=torch.device(f"cuda:{local}" if cuda else "cpu"))
+
+
+def shard(model, d: Dist):
+    """FSDP2: each decoder layer, then the root; bf16 compute with fp32 reduction on GPU."""
+    if d.world == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(d.device.type, (d.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if d.device.type == "cuda" else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+class gathered_for_generation:
+    """Unshard every FSDP module once for a whole rollout (no per-token all-gathers; ranks may generate
+    different numbers of tokens), then reshard. A no-op without FSDP."""
+
+    def __init__(self, model):
+        from torch.distributed.fsdp import FSDPModule
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def all_sum(values: list[float], d: Dist) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    if d.world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def autocast(d: Dist):
+    if d.device.type == "cuda" and d.world == 1:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One policy update on a batch of rollout rows (shared by the loop, the SFT warm start and the tests)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor          # [B, T] right-padded
+    roles: torch.Tensor        # [B, T]
+    old_logp: torch.Tensor     # [B, T] sampling log-probs
+    advantages: torch.Tensor   # [B, T]
+
+    def rows(self, idx):
+        return Batch(self.ids[idx], self.roles[idx], self.old_logp[idx], self.advantages[idx])
+
+
+def trained_weight_total(batch: Batch, train_roles, lcfg: LossConfig, d: Dist) -> float:
+    """The loss denominator over the whole (global) batch, so micro-batches and ranks add up to one mean."""
+    mask = role_mask(batch.roles, train_roles)
+    if lcfg.aggregate == "seq_mean":
+        local = float(mask.any(-1).sum())
+    else:
+        w = torch.zeros(batch.roles.shape)
+        for role in train_roles:
+            w = torch.where(batch.roles == int(role), lcfg.role_weights.get(Role(role).name.lower(), 1.0), w)
+        local = float((w * mask).sum())
+    return max(all_sum([local], d)[0], 1e-8)
+
+
+def policy_gradient(model, batch: Batch, train_roles, lcfg: LossConfig, d: Dist, micro_batch: int,
+                    temperature: float, chunk_size: int, ref_logp: torch.Tensor | None = None,
+                    weight_total: float | None = None) -> dict:
+    """Accumulate the GRPO loss's gradient over micro-batches of this rank's rows. No optimizer step.
+
+    weight_total: the loss denominator of the global batch (default: computed from `batch` on all ranks)."""
+    total = weight_total if weight_total is not None else trained_weight_total(batch, train_roles, lcfg, d)
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "tokens": 0, "logp_mismatch": 0.0}
+    B = batch.ids.shape[0]
+    for s in range(0, B, micro_batch):
+        mb = batch.rows(slice(s, s + micro_batch))
+        lengths = (mb.roles != Role.PAD).sum(-1)
+        width = int(lengths.max())
+        ids, roles = mb.ids[:, :width].to(d.device), mb.roles[:, :width].to(d.device)
+        attn = (roles != Role.PAD).long()
+        with autocast(d):
+            logp = token_logprobs(model, ids, role_mask(roles, train_roles), attn, temperature, chunk_size)
+        ref = None if ref_logp is None else ref_logp[s:s + micro_batch, :width].to(d.device)
+        loss, st = grpo_loss(logp, mb.old_logp[:, :width].to(d.device), mb.advantages[:, :width].to(d.device),
+                             roles, train_roles, lcfg, ref, token_weight_sum=total)
+        # FSDP averages gradients over ranks; the loss is already normalised globally, so undo the average
+        (loss * d.world).backward()
+        m = role_mask(roles, train_roles)
+        stats["loss"] += float(loss)
+        stats["tokens"] += st["tokens"]
+        stats["clip_frac"] += st["clip_frac"] * st["tokens"]
+        stats["kl"] += st["kl"] * st["tokens"]
+        stats["logp_mismatch"] += float(((logp.detach() - mb.old_logp[:, :width].to(d.device)).abs() * m).sum())
+    n = max(stats["tokens"], 1)
+    for k in ("clip_frac", "kl", "logp_mismatch"):
+        stats[k] /= n
+    loss_sum, tokens = all_sum([stats["loss"], stats["tokens"]], d)
+    stats["loss"], stats["tokens"] = loss_sum, int(tokens)
+    return stats
+
+
+def optimizer_step(model, optimizer, grad_clip: float) -> tuple[float, bool]:
+    """Clip and step; a non-finite gradient norm skips the step (gradients dropped). Returns (norm, stepped)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, True
+
+
+def sft_loss(model, seqs: list[tuple[list[int], list[int]]], train_roles, d: Dist, pad_id: int, chunk_size: int):
+    """Mean negative log-likelihood of the trained roles' tokens of reference sequences; backward included."""
+    width = max(len(i) for i, _ in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    roles = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, (i, r) in enumerate(seqs):
+        ids[b, :len(i)], roles[b, :len(r)] = torch.tensor(i), torch.tensor(r)
+    ids, roles = ids.to(d.device), roles.to(d.device)
+    mask = role_mask(roles, train_roles)
+    total = max(all_sum([float(mask.sum())], d)[0], 1.0)
+    with autocast(d):
+        logp = token_logprobs(model, ids, mask, (roles != Role.PAD).long(), 1.0, chunk_size)
+    loss = -(logp * mask).sum() / total
+    (loss * d.world).backward()
+    return all_sum([float(loss.detach())], d)[0], int(all_sum([float(mask.sum())], d)[0])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs: config, metrics, checkpoints (atomic), resume
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file and the fix."""
+
+
+def write_atomic(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict):
+    """ckpt/step_N/: HF folder (model + tokenizer), optim_rank{r}.pt, state.json; then `latest` -> it.
+
+    Everything is written into a hidden temp folder that is renamed into place, and `latest` is replaced
+    last, so a kill at any moment leaves the previous checkpoint as the latest complete one.
+    """
+    import torch.distributed as dist
+    name = f"step_{step:06d}"
+    final = run / "ckpt" / name
+    tmp = run / "ckpt" / f".{name}.tmp"
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if d.world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        dist.barrier()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        full = None
+    if d.main:
+        model.save_pretrained(tmp, state_dict=full) if full is not None else model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    if d.world > 1:
+        dist.barrier()
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
+    if d.world > 1:
+        dist.barrier()
+    if d.main:
+        state = {"step": step, "world_size": d.world, "config": asdict(cfg), **extra}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_atomic(run / "latest", f"ckpt/{name}\n")
+    if d.world > 1:
+        dist.barrier()
+    return final
+
+
+def latest_checkpoint(run: Path) -> Path:
+    pointer = run / "latest"
+    if not pointer.exists():
+        raise CheckpointError(f"{run} has no 'latest' checkpoint pointer; nothing to resume (start a new run "
+                              "without --resume)")
+    path = run / pointer.read_text().strip()
+    need = [path / "state.json", path / "config.json"]
+    if not path.is_dir() or any(not p.exists() for p in need):
+        raise CheckpointError(f"checkpoint {path} named by {pointer} is missing or incomplete")
+    return path
+
+
+def read_state(ckpt: Path) -> dict:
+    try:
+        return json.loads((ckpt / "state.json").read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{ckpt / 'state.json'} is corrupt ({exc}); resume from an earlier checkpoint "
+                              "by editing the 'latest' file, or start a new run") from exc
+
+
+class MetricsLog:
+    """One JSON object per line, flushed and fsynced per record, so a killed run never leaves a torn line.
+    On resume, records after the checkpoint's step (and any torn tail) are dropped first."""
+
+    def __init__(self, path: Path, keep_through_step: int | None = None):
+        self.path = path
+        if keep_through_step is not None and path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break
+                if rec.get("step", -1) <= keep_through_step:
+                    kept.append(line)
+            write_atomic(path, "".join(k + "\n" for k in kept))
+        self.f = open(path, "a")
+
+    def write(self, record: dict):
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
+    import policy
+    import reward
+    import rollout
+    from bench import load_bench
+    from tqdm import tqdm
+
+    d = setup_dist()
+    run = Path(cfg.out)
+    start_step, ckpt = 0, None
+    if resume is not None:
+        ckpt = latest_checkpoint(resume)
+        state = read_state(ckpt)
+        start_step = state["step"]
+        if state.get("world_size", 1) != d.world:
+            raise CheckpointError(f"{ckpt} was written by {state.get('world_size')} processes; resume it with "
+                                  f"the same --nproc_per_node (got {d.world})")
+    elif run.exists() and any(run.iterdir()) and not cfg.overwrite:
+        raise ConfigError(f"run folder {run} already exists; use --resume {run} to continue it, --out for a new "
+                          "one, or --overwrite to replace it")
+    cfg = cfg.resolved()
+    train_roles, sft_roles = parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles)
+    random.seed(cfg.seed + d.rank)
+    np.random.seed(cfg.seed + d.rank)
+    torch.manual_seed(cfg.seed)
+
+    bench = load_bench(cfg.bench)
+    tasks = bench.load_tasks(cfg.split)
+    if not tasks:
+        raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
+    model, tok = policy.load_policy(str(ckpt) if ckpt else cfg.model, dtype=torch.float32, device=d.device)
+    engine = rollout.Engine(model, tok)   # derives the template's scaffolding (fails early if unusable)
+    model = shard(model, d)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.999))
+    if ckpt is not None:
+        try:
+            saved = torch.load(ckpt / f"optim_rank{d.rank}.pt", weights_only=False)
+            optimizer.load_state_dict(saved["optimizer"])
+        except Exception as exc:
+            raise CheckpointError(f"cannot load optimizer state from {ckpt}: {type(exc).__name__}: {exc}") from exc
+    if d.main:
+        if resume is None and run.exists() and cfg.overwrite:
+            shutil.rmtree(run)
+        (run / "ckpt").mkdir(parents=True, exist_ok=True)
+        write_atomic(run / "config.json", json.dumps(asdict(cfg), indent=1))
+    metrics = MetricsLog(run / "metrics.jsonl", keep_through_step=start_step if resume else None) if d.main else None
+    samples = open(run / "samples.jsonl", "a") if d.main else None
+
+    lcfg = LossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                      kl_coef=cfg.kl_coef, aggregate=cfg.aggregate,
+                      role_weights={"act": cfg.act_weight, "world": cfg.world_weight})
+    scfg = rollout.SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                  max_world_tokens=cfg.max_world_tokens, max_turns=cfg.max_turns,
+                                  max_total_len=cfg.max_total_len)
+    user_fn = rollout.model_user_fn(engine) if "user_fn" in __import__("inspect").signature(
+        bench.make_env).parameters else None
+    make_env = rollout.make_env_fn(bench, user_fn)
+    total_steps = cfg.sft_steps + cfg.steps
+    ref_model = None
+    stop = {"flag": False}
+
+    def on_sigint(signum, frame):
+        stop["flag"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # a second Ctrl-C stops at once
+        print("\ninterrupt: finishing this step, saving a checkpoint, then exiting", file=sys.stderr)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    bad_steps = 0
+    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not d.main,
+               desc="train", dynamic_ncols=True)
+    step = start_step
+    for step in bar:
+        t_step = time.perf_counter()
+        pick = random.Random(cfg.seed * 1_000_003 + step)
+        phase = "sft" if step < cfg.sft_steps else "grpo"
+        record = {"step": step, "phase": phase}
+        if phase == "sft":
+            for g in optimizer.param_groups:
+                g["lr"] = cfg.sft_lr
+            batch_tasks = pick.sample(tasks, min(cfg.sft_batch, len(tasks)))[d.rank::d.world]
+            seqs = [rollout.encode_conversation(engine, t, bench.reference_trajectory(t)) for t in batch_tasks]
+            model.train()
+            loss, n_tok = sft_loss(model, seqs, sft_roles, d, tok.pad_token_id, cfg.chunk_size)
+            norm, ok = optimizer_step(model, optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)
+            if not ok:
+                optimizer.zero_grad(set_to_none=True)
+            record.update(loss=loss, tokens=n_tok, grad_norm=norm)
+        else:
+            for g in optimizer.param_groups:
+                g["lr"] = cfg.lr
+            if cfg.kl_coef > 0 and ref_model is None:
+                import copy
+                ref_model = copy.deepcopy(model).eval()
+            batch_tasks = pick.sample(tasks, min(cfg.tasks_per_step, len(tasks)))[d.rank::d.world]
+            model.eval()
+            t0 = time.perf_counter()
+            with (gathered_for_generation(model) if d.world > 1 else torch.autocast("cpu", enabled=False)):
+                with autocast(d):
+                    ro = engine.run(batch_tasks, cfg.group_size,
+                                    rollout.SamplingConfig(**{**scfg.__dict__, "seed": cfg.seed * 7919 + step * d.world + d.rank}),
+                                    make_env=make_env, world=cfg.env)
+            t_rollout = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty)
+                      for ti, tr, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
+            t_reward = time.perf_counter() - t0
+            rewards = torch.tensor([s.reward for s in scores])
+            groups = torch.tensor([d.rank * 100_000 + i for i in ro.task_index])
+            adv, flat = role_advantages(rewards, groups, ro.roles, train_roles, cfg.scale_std, cfg.per_role_adv)
+            ref_logp = None
+            if ref_model is not None:
+                with torch.no_grad(), autocast(d):
+                    ref_logp = token_logprobs(ref_model, ro.ids.to(d.device), role_mask(ro.roles, train_roles).to(d.device),
+                                              (ro.roles != Role.PAD).long().to(d.device), cfg.temperature,
+                                              cfg.chunk_size).cpu()
+            batch = Batch(ro.ids, ro.roles, ro.logprobs, adv)
+            weight_total = trained_weight_total(batch, train_roles, lcfg, d)
+            if ref_logp is None and d.world == 1:
+                # rows whose advantages are all 0 add no gradient: skip their forward (the loss denominator
+                # still counts them). Under FSDP every rank must run the same passes, so nothing is skipped.
+                batch = batch.rows(torch.nonzero((adv != 0).any(-1)).flatten())
+            model.train()
+            t0 = time.perf_counter()
+            pg, norms, ok = {}, [], True
+            for _ in range(cfg.updates_per_batch):
+                pg = policy_gradient(model, batch, train_roles, lcfg, d, cfg.micro_batch, cfg.temperature,
+                                     cfg.chunk_size, ref_logp, weight_total)
+                if not math.isfinite(pg["loss"]):
+                    optimizer.zero_grad(set_to_none=True)
+                    ok = False
+                    break
+                norm, ok = optimizer_step(model, optimizer, cfg.grad_clip)
+                norms.append(norm)
+                if not ok:
+                    break
+            t_update = time.perf_counter() - t0
+            n_rows = len(scores)
+            succ = [s.components.get("success", s.reward) for s in scores]
+            sums = all_sum([float(rewards.sum()), float(sum(succ)), n_rows, flat, ro.stats["act_tokens"],
+                            ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects),
+                            ro.stats["tokens_sampled"]], d)
+            record.update(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
+                          flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
+                          rehearsal_defects=int(sums[6]), loss=pg.get("loss"), kl=pg.get("kl"),
+                          clip_frac=pg.get("clip_frac"), logp_mismatch=pg.get("logp_mismatch"),
+                          grad_norm=norms[-1] if norms else float("nan"),
+                          tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world,
+                          t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
+                          end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)})
+            if samples is not None and ro.ids.shape[0]:
+                samples.write(json.dumps({"step": step, "task": ro.trajectories[0].task_id,
+                                          "reward": scores[0].reward,
+                                          "text": rollout.describe_row(ro, tok, 0)}) + "\n")
+                samples.flush()
+        bad_steps = 0 if ok else bad_steps + 1
+        record["skipped_update"] = not ok
+        record["t_step"] = time.perf_counter() - t_step
+        if metrics is not None:
+            metrics.write(record)
+            bar.set_postfix({k: round(record[k], 3) for k in ("loss", "reward_mean") if record.get(k) is not None})
+        if not ok:
+            print(f"warning: step {step}: non-finite loss or gradient; update skipped "
+                  f"({bad_steps} in a row)", file=sys.stderr)
+            if bad_steps >= cfg.max_bad_steps:
+                raise FloatingPointError(f"{bad_steps} consecutive steps had a non-finite loss or gradient; "
+                                         "stopping. Lower --lr or --sft-lr, or check the data")
+        done = step + 1
+        if done % cfg.save_every == 0 or done == total_steps or stop["flag"]:
+            save_checkpoint(run, done, model, tok, optimizer, cfg, d, {"phase": phase})
+        if stop["flag"]:
+            break
+    bar.close()
+    if d.world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="EnvACE GRPO training (rehearsal by default).",
+                                 argument_default=argparse.SUPPRESS)
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"(default {f.default})")
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            ap.add_argument(flag, type=kind, help=f"(default {f.default})")
+    ap.add_argument("--resume", type=str, help="continue the run in this folder from its latest checkpoint")
+    return ap
+
+
+def main(argv=None) -> int:
+    import policy
+    from bench import BenchUnavailable
+    args = vars(build_parser().parse_args(argv))
+    resume = args.pop("resume", None)
+    try:
+        if resume is not None:
+            run = Path(resume)
+            saved = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else None
+            if saved is None:
+                raise CheckpointError(f"{run} has no config.json: not a training run folder")
+            cfg = TrainConfig(**{**saved, **args, "out": str(run)})
+        else:
+            cfg = TrainConfig(**args)
+        validate(cfg)
+        run = train(cfg, Path(resume) if resume else None)
+    except (ConfigError, CheckpointError, policy.PolicyLoadError, BenchUnavailable, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:   # e.g. a rollout template error or an unknown split from a loader
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except FloatingPointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"run saved in {run} (latest checkpoint: {(run / 'latest').read_text().strip()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import policy
+import rollout
+import train
+from rollout import Role
+from tests.scripted import tasks
+
+ROOT = Path(__file__).resolve().parent.parent
+ACT_WORLD = [Role.ACT, Role.WORLD]
+
+
+def random_batch(B=4, T=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 400, (B, T), generator=g)
+    roles = torch.randint(1, 5, (B, T), generator=g)
+    roles[0, 18:] = Role.PAD
+    return ids, roles
+
+
+def test_chunked_logprobs_equal_naive_log_softmax(micro64):
+    model, _ = micro64
+    ids, roles = random_batch()
+    mask = rollout.role_mask(roles, ACT_WORLD)
+    attn = (roles != Role.PAD).long()
+    for chunk in (1, 5, 1000):
+        for temp in (1.0, 0.7):
+            got = train.token_logprobs(model, ids, mask, attn, temperature=temp, chunk_size=chunk)
+            logits = model(input_ids=ids, attention_mask=attn).logits / temp
+            naive = torch.zeros_like(got)
+            naive[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+            naive = naive * mask
+            naive[:, 0] = 0
+            torch.testing.assert_close(got, naive, atol=1e-12, rtol=0)
+            assert torch.all(got[~mask] == 0)
+
+
+def test_masked_positions_get_exactly_zero_gradient(micro64):
+    model, _ = micro64
+    ids, roles = random_batch()
+    for train_roles in (ACT_WORLD, [Role.ACT]):
+        mask = rollout.role_mask(roles, train_roles)
+        logp = train.token_logprobs(model, ids, mask, (roles != Role.PAD).long()).detach().requires_grad_(True)
+        old = torch.randn_like(logp)           # garbage everywhere, masked positions included
+        adv = torch.randn(ids.shape)
+        loss, _ = train.grpo_loss(logp, old, adv, roles, train_roles, train.LossConfig(kl_coef=0.1),
+                                  ref_logp=torch.randn_like(logp))
+        loss.backward()
+        assert torch.all(logp.grad[~mask] == 0)
+        assert torch.count_nonzero(logp.grad[mask]) > 0
+    # and the model's own gradient does not depend on what sits at masked positions
+    mask = rollout.role_mask(roles, ACT_WORLD)
+    grads = []
+    for fill in (0.0, 123.0):
+        model.zero_grad()
+        old = torch.where(mask, torch.full(ids.shape, -1.0, dtype=torch.float64), torch.full(ids.shape, fill, dtype=torch.float64))
+        adv = torch.where(mask, torch.ones(ids.shape, dtype=torch.float64), torch.full(ids.shape, fill, dtype=torch.float64))
+        logp = train.token_logprobs(model, ids, mask, (roles != Role.PAD).long())
+        loss, _ = train.grpo_loss(logp, old, adv, roles, ACT_WORLD, train.LossConfig())
+        loss.backward()
+        grads.append(model.lm_head.weight.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_group_advantages_on_hand_computed_groups():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    adv, flat = train.group_advantages(rewards, groups, scale_std=True, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert flat == 2                        # the all-equal group and the single-sample group
+    adv, _ = train.group_advantages(rewards, groups, scale_std=False)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]))
+    adv, _ = train.group_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 0, 0]), eps=0.0)
+    std = torch.tensor([3.0, 1.0, 2.0]).std(unbiased=False)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0]) / std)
+
+
+def test_per_role_advantages_use_rows_that_have_the_role():
+    rewards = torch.tensor([1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 0])
+    roles = torch.tensor([[2, 3], [2, 3], [2, 2]])         # row 2 has no WORLD tokens
+    adv, _ = train.role_advantages(rewards, groups, roles, ACT_WORLD, scale_std=False, per_role=True)
+    assert adv[0, 0] == pytest.approx(2 / 3) and adv[2, 0] == pytest.approx(-1 / 3)   # ACT: over 3 rows
+    assert adv[0, 1] == pytest.approx(0.5) and adv[1, 1] == pytest.approx(-0.5)       # WORLD: over rows 0, 1
+
+
+def test_loss_at_ratio_one_is_the_plain_policy_gradient_and_clipping_engages():
+    torch.manual_seed(0)
+    roles = torch.tensor([[1, 2, 2, 3, 4, 2, 0]])
+    mask = rollout.role_mask(roles, ACT_WORLD)
+    base = torch.randn(roles.shape, dtype=torch.float64)
+    adv = torch.tensor([0.7], dtype=torch.float64)
+    logp = base.clone().requires_grad_(True)
+    loss, st = train.grpo_loss(logp, base.clone(), adv, roles, ACT_WORLD, train.LossConfig())
+    loss.backward()
+    pg = base.clone().requires_grad_(True)
+    (-(adv * pg * mask).sum() / mask.sum()).backward()
+    torch.testing.assert_close(logp.grad, pg.grad)
+    assert loss.item() == pytest.approx(-0.7) and st["clip_frac"] == 0
+    # ratio 1.5 with a positive advantage: clipped at 1.2, no gradient
+    logp = (base + torch.log(torch.tensor(1.5))).requires_grad_(True)
+    loss, st = train.grpo_loss(logp, base, adv, roles, ACT_WORLD, train.LossConfig())
+    loss.backward()
+    assert st["clip_frac"] == 1.0 and torch.all(logp.grad == 0)
+    assert loss.item() == pytest.approx(-0.7 * 1.2)
+    # ratio 0.5 with a negative advantage: clipped at 0.8
+    logp = (base + torch.log(torch.tensor(0.5))).requires_grad_(True)
+    loss, st = train.grpo_loss(logp, base, -adv, roles, ACT_WORLD, train.LossConfig())
+    assert st["clip_frac"] == 1.0 and loss.item() == pytest.approx(0.7 * 0.8)
+    # ratio 10 with a negative advantage: dual clip bounds the loss at 3 * |A|
+    logp = (base + torch.log(torch.tensor(10.0))).requires_grad_(True)
+    loss, _ = train.grpo_loss(logp, base, -adv, roles, ACT_WORLD, train.LossConfig(dual_clip=3.0))
+    assert loss.item() == pytest.approx(3 * 0.7)
+    loss, _ = train.grpo_loss(logp, base, -adv, roles, ACT_WORLD, train.LossConfig(dual_clip=0.0))
+    assert loss.item() == pytest.approx(10 * 0.7)
+
+
+def test_grpo_raises_the_reward_of_a_trivially_learnable_target(micro_path):
+    """Reward 1 when the first sampled token is even: a few GRPO updates must move the policy."""
+    torch.manual_seed(0)
+    model, tok = policy.load_policy(str(micro_path))
+    engine = rollout.Engine(model, tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    cfg = rollout.SamplingConfig(max_new_tokens=3, temperature=1.0)
+    d = train.Dist()
+
+    def rollout_and_reward(seed):
+        ro = engine.run(tasks(2), 16, rollout.SamplingConfig(**{**cfg.__dict__, "seed": seed}), world="rehearse")
+        first = [int(ro.ids[b][ro.roles[b] == Role.ACT][0]) for b in range(ro.ids.shape[0])]
+        return ro, torch.tensor([float(f % 2 == 0) for f in first])
+
+    before = torch.cat([rollout_and_reward(1000 + s)[1] for s in range(3)]).mean()
+    for step in range(12):
+        ro, r = rollout_and_reward(step)
+        adv, _ = train.role_advantages(r, torch.tensor(ro.task_index), ro.roles, [Role.ACT], True, False)
+        train.policy_gradient(model, train.Batch(ro.ids, ro.roles, ro.logprobs, adv), [Role.ACT],
+                              train.LossConfig(), d, micro_batch=32, temperature=1.0, chunk_size=256)
+        train.optimizer_step(model, opt, 1.0)
+    after = torch.cat([rollout_and_reward(1000 + s)[1] for s in range(3)]).mean()
+    assert after > before + 0.2, (before, after)
+
+
+def test_fsdp_two_processes_match_one(micro_path, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    script = str(ROOT / "tests" / "fsdp_check.py")
+    subprocess.run([sys.executable, script, str(micro_path), str(tmp_path / "one.json")], check=True, env=env,
+                   cwd=ROOT, capture_output=True)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", script, str(micro_path),
+                    str(tmp_path / "two.json")], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert one["losses"] == pytest.approx(two["losses"], abs=1e-6)
+    for k in one["params"]:
+        assert one["params"][k] == pytest.approx(two["params"][k], abs=1e-5), k
+    assert one["gen"] == two["gen"]          # generation with the unsharded FSDP model is the same
+
+
+def run_train(args):
+    """train.main in this process (a subprocess would pay the imports again): exit code and stderr."""
+    import contextlib
+    import io
+    import types
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = train.main(args)
+        except SystemExit as exc:      # argparse errors
+            code = exc.code
+    return types.SimpleNamespace(returncode=code, stderr=err.getvalue())
+
+
+def small_run(micro_path, out, steps, extra=()):
+    return ["--model", str(micro_path), "--out", str(out), "--sft-steps", "2", "--steps", str(steps),
+            "--sft-batch", "4", "--tasks-per-step", "2", "--group-size", "2", "--max-new-tokens", "24",
+            "--max-world-tokens", "12", "--max-turns", "3", "--lr", "1e-3", "--save-every", "1", *extra]
+
+
+def params_of(ckpt):
+    from safetensors.torch import load_file
+    return load_file(str(Path(ckpt) / "model.safetensors"))
+
+
+def test_resume_reproduces_the_uninterrupted_run(micro_path, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_train(small_run(micro_path, full, 2)).returncode == 0
+    assert run_train(small_run(micro_path, part, 1)).returncode == 0
+    assert (part / "latest").read_text().strip() == "ckpt/step_000003"
+    res = run_train(["--resume", str(part), "--steps", "2"])
+    assert res.returncode == 0, res.stderr
+    a = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "reward_mean", "act_tokens", "world_tokens", "grad_norm"):
+            if key in ra:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    pa, pb = params_of(full / "ckpt" / "step_000004"), params_of(part / "ckpt" / "step_000004")
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=0)
+    state = json.loads((part / "ckpt" / "step_000004" / "state.json").read_text())
+    assert state["step"] == 4 and "config" in state
+    metrics = json.loads((full / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("reward_mean", "success_rate", "loss", "kl", "clip_frac", "grad_norm", "tokens_per_s",
+                "act_tokens", "world_tokens", "flat_groups"):
+        assert key in metrics
+
+
+def test_bad_input_exits_2_with_one_clear_line_and_overwrites_nothing(micro_path, tmp_path):
+    cases = [
+        (["--bench", "nope"], "unknown --bench"),
+        (["--model", str(tmp_path / "missing")], "does not exist"),
+        (["--group-size", "0"], "--group-size must be positive"),
+        (["--train-roles", "act,dream"], "roles must be"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--lr", "nan"], "--lr"),
+    ]
+    for args, msg in cases:
+        res = run_train(["--out", str(tmp_path / "r"), *args])
+        assert res.returncode == 2, (args, res.stderr)
+        lines = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        assert len(lines) == 1 and msg in lines[0], (args, res.stderr)
+    res = run_train(["--group-size", "x"])
+    assert res.returncode == 2 and "invalid int value" in res.stderr
+    # an existing run is never overwritten without --resume/--overwrite
+    run = tmp_path / "existing"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    res = run_train(small_run(micro_path, run, 1))
+    assert res.returncode == 2 and "already exists" in res.stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    # a corrupt checkpoint on resume
+    good = tmp_path / "good"
+    assert run_train(small_run(micro_path, good, 1)).returncode == 0
+    (good / "ckpt" / "step_000003" / "state.json").write_text("{not json")
+    res = run_train(["--resume", str(good)])
+    assert res.returncode == 2 and "corrupt" in res.stderr
+    (good / "ckpt" / "step_000003" / "model.safetensors").write_bytes(b"garbage")
+    (good / "ckpt" / "step_000003" / "state.json").write_text('{"step": 3, "world_size": 1}')
+    res = run_train(["--resume", str(good)])
+    assert res.returncode == 2 and "cannot load model weights" in res.stderr
+    assert run_train(["--resume", str(tmp_path / "nowhere")]).returncode == 2
