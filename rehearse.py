@@ -329,12 +329,13 @@ class _Rehearser:
     def _decode(self, ids):
         return self.eng.tok.decode(ids, skip_special_tokens=False)
 
-    def private_line(self, stream, ids, n_cached) -> _Line:
+    def private_line(self, stream, ids, n_cached, seen_memory: str = "") -> _Line:
         """A branch that proposes a turn, rehearses each call's response and assesses the outcome."""
         from rollout import CallError, Role, parse_turn
         eng, fmt, cfg = self.eng, self.eng.fmt, self.cfg
         line = _Line(stream, ids, n_cached)
-        line.rec = {"content": "", "raw": "", "items": [], "assessment": "", "terminated": False, "tokens": []}
+        line.rec = {"content": "", "raw": "", "items": [], "assessment": "", "terminated": False, "tokens": [],
+                    "seen_memory": seen_memory}
 
         def on_world(index):
             def end(ln, stopped):
@@ -399,8 +400,9 @@ class _Rehearser:
             return records, self.eng.encode(memory_text(records, rcfg.memory_chars)), None
         records, memory_ids = [], []
         for _ in range(rcfg.budget):
-            memory_ids = self.eng.encode(memory_text(records, rcfg.memory_chars)) if records else []
-            line = self.private_line(1, ids + memory_ids, n)
+            memory = memory_text(records, rcfg.memory_chars)
+            memory_ids = self.eng.encode(memory) if memory else []
+            line = self.private_line(1, ids + memory_ids, n, memory)
             _drive(self.eng, kv, [line], None if memory_ids else ctx_logits, self.cfg, gen, self.steer,
                    self.stats, "private", self.max_len)
             kv.crop(n)
