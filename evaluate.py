@@ -1,0 +1,344 @@
+"""Evaluate a policy on a benchmark split, optionally with test-time private rehearsal.
+
+    python evaluate.py --rehearsal-budget 4                     # default model on the embedded toy world
+    python evaluate.py --model /ckpt/Qwen3-8B --bench tau2 --num-trials 4 --rehearsal-budget 2
+    python evaluate.py --limit 50 --compare 0,1,2,4             # budgets side by side, same tasks and seeds
+
+Each (task, trial) is one committed trajectory on the real environment (rehearse.act): with budget B > 0
+the policy privately rehearses up to B calls before each committed turn (see rehearse.py). Writes
+`OUT/trajectories_B{B}_{mode}.jsonl` (one line per task and trial: readable text, calls, observations,
+score, rehearsals, fidelity, costs) and `OUT/summary.json`, and prints the summary table.
+
+Reported per benchmark and per category (task.metadata "family" / "category" / "domain"): success
+(Avg@k = pass^1, the mean reward over tasks and trials), pass^k (tau²'s pass_hat_k, local fallback: mean
+over tasks of C(c,k)/C(n,k), c = trials with reward 1), tool precision/recall/F1 where the score has them
+(FinMCP), world-model fidelity on real calls (`--fidelity`, on by default for toyworld), and what rehearsal
+cost: extra sampled + fed tokens and seconds per committed turn and per committed call.
+
+--model auto (default) uses the checkpoint `python train.py` writes: runs/tiny-toyworld/latest holds the path
+of an HF folder relative to runs/tiny-toyworld/; without it the untrained embedded tiny model is used.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+GROUP_KEYS = ("family", "category", "domain")
+TRAIN_RUN = Path("runs/tiny-toyworld")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr, exit 2
+        sys.stderr.write(f"{self.prog}: error: {' '.join(str(message).split())}\n")
+        sys.exit(2)
+
+
+def _int_at_least(lo):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def _budgets(text):
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated budgets like 0,1,2, got {text!r}")
+    if not out or any(b < 0 for b in out):
+        raise argparse.ArgumentTypeError(f"budgets must be integers >= 0, got {text!r}")
+    return out
+
+
+def _opt(text):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(value)
+    except ValueError:
+        pass
+    return key, value
+
+
+def build_parser():
+    from bench import BENCHES
+    p = _Parser(prog="evaluate.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="auto", help="'auto' (train.py's latest checkpoint, else tiny), 'tiny', "
+                   "or a local HF folder")
+    p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=_int_at_least(1), default=None, help="first N tasks of the split")
+    p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
+    p.add_argument("--num-trials", type=_int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
+    p.add_argument("--rehearsal-budget", type=_int_at_least(0), default=0)
+    p.add_argument("--rehearsal-mode", choices=["parallel", "sequential"], default="parallel")
+    p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
+                   help="run these budgets on the same tasks and seeds and print them side by side")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=256)
+    p.add_argument("--max-world-tokens", type=_int_at_least(1), default=128)
+    p.add_argument("--max-turns", type=_int_at_least(1), default=30)
+    p.add_argument("--max-total-len", type=_int_at_least(16), default=16384)
+    p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
+                   help="probe the world model on every real call (default: on for toyworld)")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
+    p.add_argument("--device", default="auto")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# metrics
+
+
+def pass_hat_k(results_by_task: dict, k: int) -> float:
+    """tau²'s pass^k: mean over tasks of C(c, k) / C(n, k), c successes among n trials (tasks with n < k skipped)."""
+    vals = []
+    for results in results_by_task.values():
+        n, c = len(results), sum(1 for r in results if r)
+        if n >= k:
+            vals.append(math.comb(c, k) / math.comb(n, k))
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _pass_k_fn(bench_name):
+    if bench_name == "tau2":
+        try:
+            from bench import tau2
+            return tau2.pass_hat_k
+        except (ImportError, AttributeError):
+            pass
+    return pass_hat_k
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def group_of(task) -> str | None:
+    for key in GROUP_KEYS:
+        if key in task.metadata and isinstance(task.metadata[key], (str, int)):
+            return f"{key}={task.metadata[key]}"
+    return None
+
+
+def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = False) -> dict:
+    """Aggregate JSONL records (one per task and trial) into the summary of one run."""
+    pass_k = _pass_k_fn(bench_name)
+
+    def block(recs):
+        by_task = defaultdict(list)
+        for r in recs:
+            by_task[r["task_id"]].append(r["reward"] >= 1.0 - 1e-9)
+        out = {"tasks": len(by_task), "trajectories": len(recs), "success": _mean([r["reward"] for r in recs])}
+        if k > 1:
+            out[f"pass^{k}"] = pass_k(dict(by_task), k)
+        for key in ("precision", "recall", "f1"):
+            vals = [r["components"].get(key) for r in recs if isinstance(r["components"].get(key), (int, float))]
+            if vals:
+                out[key] = _mean(vals)
+        return out
+
+    summary = {"overall": block(records), "groups": {}}
+    groups = defaultdict(list)
+    for r in records:
+        if r["group"] is not None:
+            groups[r["group"]].append(r)
+    for g in sorted(groups):
+        summary["groups"][g] = block(groups[g])
+    pairs = [f for r in records for f in r["fidelity"]]
+    if fidelity_on and not pairs:
+        summary["fidelity"] = {"pairs": 0}
+    if pairs:
+        summary["fidelity"] = {"pairs": len(pairs), "exact": _mean([float(f["exact"]) for f in pairs]),
+                               "kv_agreement": _mean([f["kv_agreement"] for f in pairs]),
+                               "error_correct": _mean([float(f["error_correct"]) for f in pairs]),
+                               "real_errors": sum(f["real_error"] for f in pairs),
+                               "predicted_errors": sum(f["predicted_error"] for f in pairs)}
+    st = [r["stats"] for r in records]
+    tot = {key: sum(s.get(key, 0) for s in st) for key in
+           ("committed_turns", "committed_calls", "rehearsals", "extra_sampled", "extra_fed", "extra_tokens",
+            "memory_tokens", "seconds", "private_seconds", "fidelity_seconds")}
+    turns, calls = tot["committed_turns"], tot["committed_calls"]
+    per = lambda x, n: x / n if n else None  # noqa: E731
+    summary["cost"] = {**tot, "extra_tokens_per_turn": per(tot["extra_tokens"], turns),
+                       "extra_tokens_per_call": per(tot["extra_tokens"], calls),
+                       "extra_seconds_per_turn": per(tot["private_seconds"], turns),
+                       "extra_seconds_per_call": per(tot["private_seconds"], calls),
+                       "seconds_per_turn": per(tot["seconds"], turns)}
+    return summary
+
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.3f}"
+    return str(v)
+
+
+def table(bench_name: str, runs: dict) -> str:
+    """Side-by-side text table: one column per run (budget), rows = metrics."""
+    names = list(runs)
+    rows = []
+
+    def metric_rows(prefix, get):
+        keys = []
+        for s in runs.values():
+            for key in get(s) or {}:
+                if key not in keys:
+                    keys.append(key)
+        for key in keys:
+            rows.append([f"{prefix}{key}"] + [_fmt((get(runs[n]) or {}).get(key)) for n in names])
+
+    metric_rows(f"{bench_name} ", lambda s: s["overall"])
+    groups = []
+    for s in runs.values():
+        groups += [g for g in s["groups"] if g not in groups]
+    for g in groups:
+        metric_rows(f"  {g} ", lambda s, g=g: {k: v for k, v in s["groups"].get(g, {}).items()
+                                               if k not in ("tasks", "trajectories")})
+    metric_rows("fidelity ", lambda s: s.get("fidelity"))
+    metric_rows("cost ", lambda s: {k: s["cost"][k] for k in ("committed_turns", "committed_calls", "rehearsals",
+                                                               "extra_tokens_per_turn",
+                                                               "extra_tokens_per_call", "extra_seconds_per_turn",
+                                                               "seconds_per_turn")})
+    header = ["metric"] + names
+    width = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, width))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running
+
+
+def resolve_model(name: str) -> str:
+    if name != "auto":
+        return name
+    latest = TRAIN_RUN / "latest"
+    if latest.is_file():
+        return str(TRAIN_RUN / latest.read_text().strip())
+    print(f"note: no trained checkpoint ({latest} is missing; run `python train.py`): evaluating the untrained "
+          "tiny model")
+    return "tiny"
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+
+
+def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
+    import rehearse
+    from rollout import SamplingConfig, describe_row
+    from tqdm import tqdm
+
+    rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on)
+    records = []
+    bar = tqdm(total=len(tasks) * args.num_trials, desc=f"{mod.NAME} B={budget}", unit="traj", file=sys.stderr)
+    with open(out_path, "w") as fh:
+        for trial in range(args.num_trials):
+            for i, task in enumerate(tasks):
+                seed = args.seed + 100_003 * trial + i          # the same for every budget (--compare)
+                cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
+                                     max_new_tokens=args.max_new_tokens, max_world_tokens=args.max_world_tokens,
+                                     max_turns=args.max_turns, max_total_len=args.max_total_len, seed=seed)
+                ep = rehearse.act(eng, task, cfg, mod.make_env(task), rcfg)
+                traj = ep.trajectory
+                score = mod.score(task, traj)
+                rec = {"task_id": task.id, "trial": trial, "seed": seed, "budget": budget, "mode": args.rehearsal_mode,
+                       "group": group_of(task),
+                       "metadata": {k: task.metadata[k] for k in GROUP_KEYS if k in task.metadata},
+                       "reward": float(score.reward), "components": _jsonable(score.components),
+                       "end_reason": traj.end_reason, "final_answer": traj.final_answer,
+                       "calls": [{"name": c.name, "arguments": c.arguments, "turn": c.turn} for c in traj.calls],
+                       "observations": traj.observations, "errors": traj.errors,
+                       "messages": _jsonable(traj.messages), "text": describe_row(ep.rollout, eng.tok, 0),
+                       "rehearsals": [[{k: v for k, v in r.items() if k not in ("tokens", "logprobs")} for r in turn]
+                                      for turn in ep.rehearsals],
+                       "fidelity": ep.fidelity,
+                       "stats": {k: v for k, v in ep.stats.items()}}
+                rec = _jsonable(rec)
+                fh.write(json.dumps(rec) + "\n")
+                records.append(rec)
+                bar.update(1)
+    bar.close()
+    return records
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.greedy and args.temperature <= 0:
+        parser.error(f"--temperature must be > 0 (or pass --greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+
+    import torch
+
+    import policy
+    from bench import BenchUnavailable, load_bench
+    from rollout import Engine, TemplateError
+
+    try:
+        mod = load_bench(args.bench)
+    except ImportError as exc:
+        parser.error(f"benchmark {args.bench!r} is not available in this checkout ({exc})")
+    except (BenchUnavailable, ValueError) as exc:
+        parser.error(str(exc))
+    try:
+        tasks = mod.load_tasks(args.split, limit=args.limit, **dict(args.opt))
+    except (BenchUnavailable, ValueError, TypeError, FileNotFoundError) as exc:
+        parser.error(f"cannot load {args.bench} split {args.split!r}: {exc}")
+    if not tasks:
+        parser.error(f"{args.bench} split {args.split!r} has no tasks")
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model_name = resolve_model(args.model)
+    try:
+        model, tok = policy.load_policy(model_name, dtype=dtype, device=device)
+        eng = Engine(model.eval(), tok)
+    except (policy.PolicyLoadError, TemplateError) as exc:
+        parser.error(str(exc))
+
+    budgets = args.compare or [args.rehearsal_budget]
+    fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
+    out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")
+    out.mkdir(parents=True, exist_ok=True)
+    runs, t0 = {}, time.perf_counter()
+    for b in budgets:
+        path = out / f"trajectories_B{b}_{args.rehearsal_mode}.jsonl"
+        records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
+        runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": str(path)}
+    summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
+               "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
+               "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
+               "seconds": time.perf_counter() - t0, "runs": runs}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "
+          f"rehearsal {args.rehearsal_mode}")
+    print(table(args.bench, runs))
+    print(f"wrote {out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

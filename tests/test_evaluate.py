@@ -1,0 +1,121 @@
+"""evaluate.py: CLI errors exit 2 with one line, an end-to-end run writes JSONL + summary, metrics."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import evaluate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--rehearsal-budget", "-1"], "--rehearsal-budget"),
+    (["--rehearsal-budget", "two"], "integer"),
+    (["--rehearsal-mode", "beam"], "--rehearsal-mode"),
+    (["--top-p", "0"], "--top-p"),
+    (["--temperature", "0"], "--temperature"),
+    (["--num-trials", "0"], "--num-trials"),
+    (["--limit", "0"], "--limit"),
+    (["--bench", "nosuch"], "--bench"),
+    (["--compare", "1,x"], "--compare"),
+    (["--opt", "novalue"], "KEY=VALUE"),
+])
+def test_bad_cli_values_exit_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("evaluate.py: error:") and needle in err
+
+
+def test_missing_model_and_bad_task_option_exit_2(tmp_path, capsys):
+    for argv, needle in ([["--model", str(tmp_path / "nope"), "--limit", "1"], "does not exist"],
+                         [["--model", str(tmp_path), "--limit", "1"], "incomplete"],
+                         [["--split", "nosplit", "--limit", "1"], "nosplit"]):
+        with pytest.raises(SystemExit) as exc:
+            evaluate.main(argv + ["--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_unavailable_bench_is_one_line_exit_2():
+    try:
+        import bench.tau2  # noqa: F401
+        pytest.skip("bench.tau2 is present in this checkout")
+    except ImportError:
+        pass
+    proc = subprocess.run([sys.executable, "evaluate.py", "--bench", "tau2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "tau2" in proc.stderr
+
+
+def test_end_to_end_writes_jsonl_and_summary(micro_path, tmp_path):
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "evaluate.py", "--model", str(micro_path), "--limit", "4",
+                           "--rehearsal-budget", "1", "--max-new-tokens", "24", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = (out / "trajectories_B1_parallel.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    rec = json.loads(lines[0])
+    assert rec["budget"] == 1 and rec["group"] == "family=balance" and 0.0 <= rec["reward"] <= 1.0
+    assert "[PROMPT t0" in rec["text"] and "components" in rec and len(rec["rehearsals"]) >= 1
+    assert rec["stats"]["committed_turns"] >= 1 and "extra_tokens" in rec["stats"]
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"]["B=1"]
+    assert run["overall"]["tasks"] == 4 and set(run["groups"]) == {"family=balance", "family=send",
+                                                                  "family=buy", "family=half"}
+    assert "fidelity" in run and run["cost"]["committed_turns"] >= 4
+    assert "toyworld success" in proc.stdout and "B=1" in proc.stdout
+
+
+def test_compare_runs_budgets_on_the_same_seeds(micro_path, tmp_path, capsys):
+    rc = evaluate.main(["--model", str(micro_path), "--limit", "2", "--compare", "0,2", "--max-new-tokens", "12",
+                        "--num-trials", "2", "--no-fidelity", "--out", str(tmp_path)])
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["runs"]) == ["B=0", "B=2"]
+    recs = {b: [json.loads(x) for x in (tmp_path / f"trajectories_B{b}_parallel.jsonl").read_text().splitlines()]
+            for b in (0, 2)}
+    assert [(r["task_id"], r["seed"]) for r in recs[0]] == [(r["task_id"], r["seed"]) for r in recs[2]]
+    assert len(recs[0]) == 4 and "pass^2" in summary["runs"]["B=0"]["overall"]
+    assert recs[0][0]["stats"]["extra_tokens"] == 0 and recs[2][0]["stats"]["extra_tokens"] > 0
+    out = capsys.readouterr().out
+    assert "B=0" in out and "B=2" in out
+
+
+def test_auto_model_falls_back_to_tiny_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert evaluate.resolve_model("auto") == "tiny"
+    assert capsys.readouterr().out.count("\n") == 1
+    (tmp_path / "runs/tiny-toyworld").mkdir(parents=True)
+    (tmp_path / "runs/tiny-toyworld/latest").write_text("ckpt/step_000200\n")
+    assert evaluate.resolve_model("auto") == str(Path("runs/tiny-toyworld/ckpt/step_000200"))
+    assert evaluate.resolve_model("/x/y") == "/x/y"
+
+
+def test_pass_hat_k_and_summary_metrics():
+    assert evaluate.pass_hat_k({"a": [True, True], "b": [True, False]}, 1) == pytest.approx(0.75)
+    assert evaluate.pass_hat_k({"a": [True, True], "b": [True, False]}, 2) == pytest.approx(0.5)
+    assert evaluate.pass_hat_k({"a": [True, True, False, True]}, 2) == pytest.approx(3 / 6)
+    assert math.isnan(evaluate.pass_hat_k({"a": [True]}, 2))
+
+    def rec(tid, reward, group, comps=None, fid=()):
+        return {"task_id": tid, "reward": reward, "group": group, "components": comps or {}, "fidelity": list(fid),
+                "stats": {"committed_turns": 2, "committed_calls": 1, "extra_tokens": 10, "private_seconds": 0.5}}
+    f = {"exact": True, "kv_agreement": 1.0, "error_correct": True, "real_error": False, "predicted_error": False}
+    recs = [rec("a", 1.0, "category=x", {"precision": 1.0, "recall": 0.5, "f1": 2 / 3}, [f]),
+            rec("a", 0.0, "category=x", {"precision": 0.0, "recall": 0.0, "f1": 0.0}),
+            rec("b", 1.0, "category=y", {"precision": 1.0, "recall": 1.0, "f1": 1.0}),
+            rec("b", 1.0, "category=y", {"precision": 1.0, "recall": 1.0, "f1": 1.0})]
+    s = evaluate.summarize("finmcp", recs, 2)
+    assert s["overall"]["success"] == 0.75 and s["overall"]["pass^2"] == 0.5
+    assert s["groups"]["category=x"]["success"] == 0.5 and s["groups"]["category=y"]["pass^2"] == 1.0
+    assert s["overall"]["recall"] == pytest.approx(0.625) and s["fidelity"]["pairs"] == 1
+    assert s["cost"]["extra_tokens_per_call"] == 10 and s["cost"]["extra_tokens_per_turn"] == 5
+    text = evaluate.table("finmcp", {"B=0": s, "B=1": s})
+    assert "category=x success" in text and "finmcp pass^2" in text

@@ -1,0 +1,202 @@
+"""Test-time private rehearsal: budget 0 is plain acting, rehearsals stay private, budgets hold, the KV cache
+is forked and cropped exactly, and the world-model fidelity comparison."""
+import json
+
+import pytest
+import torch
+
+import rehearse
+from rehearse import ASSESS_PREFIX, MEMORY_HEAD, RehearsalConfig, act, fidelity, memory_text
+from rollout import Engine, Role, SamplingConfig
+from tests.scripted import TOOLS, EchoEnv, Script, call_text, tasks
+
+LOOKUP = [call_text("lookup", '{"key": "'), 3, '"}}\n</tool_call>']
+PING = [call_text("ping", "{}}\n</tool_call>")]
+ANSWER = ["done ", 2]
+ASSESS = ["fine ", 2]
+SECRET = ['{"secret": "zqzq', 2, '"}\n</tool_response>']
+
+
+class CountingEnv(EchoEnv):
+    """EchoEnv that also records every assistant text handed to the user simulator."""
+
+    def __init__(self, followups=()):
+        super().__init__(followups)
+        self.user_texts = []
+
+    def user_turn(self, assistant_text):
+        self.user_texts.append(assistant_text)
+        return super().user_turn(assistant_text)
+
+
+@pytest.fixture(scope="module")
+def eng(micro64):
+    model, tok = micro64
+    return Engine(model, tok)
+
+
+def committed_text(ep, tok):
+    r = ep.rollout
+    return tok.decode(r.ids[0, :int(r.lengths[0])].tolist())
+
+
+def assert_private_stays_private(ep, env, tok, eng):
+    r = ep.rollout
+    text = committed_text(ep, tok)
+    assert not (r.roles == Role.WORLD).any()
+    for secret in ("zqzq", MEMORY_HEAD.strip(), ASSESS_PREFIX.strip(), "secret"):
+        assert secret not in text
+    for t in env.user_texts:
+        assert "zqzq" not in t and "Rehearsal memory" not in t
+    # the committed tokens are exactly the chat-template rendering of the committed conversation
+    traj = ep.trajectory
+    rendered = tok.apply_chat_template([{k: v for k, v in m.items() if k in ("role", "content", "tool_calls")}
+                                        for m in traj.messages], tools=TOOLS, tokenize=False)
+    assert text + eng.fmt.after_eos == rendered
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_budget_zero_is_plain_acting(eng, micro64, greedy):
+    _, tok = micro64
+    cfg = SamplingConfig(greedy=greedy, temperature=0.8, top_p=0.9, max_new_tokens=80, seed=5)
+    act_script = {0: [LOOKUP, ANSWER, LOOKUP + ["\n"] + PING, ANSWER]}
+    ref_env, env = CountingEnv(["again?"]), CountingEnv(["again?"])
+    ref = eng.run(tasks(1), 1, cfg, make_env=lambda t: ref_env, world="real", steer=Script(tok, act_script))
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=0), steer=Script(tok, act_script))
+    r = ep.rollout
+    assert torch.equal(r.ids, ref.ids) and torch.equal(r.roles, ref.roles)
+    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-9, rtol=0)
+    assert r.end_reasons == ref.end_reasons == ["final_answer"]
+    assert [c.name for c in ep.trajectory.calls] == ["lookup", "lookup", "ping"]
+    assert ep.trajectory.observations == ref.trajectories[0].observations
+    assert env.calls == ref_env.calls and env.user_texts == ref_env.user_texts
+    assert ep.rehearsals == [] and ep.stats["extra_tokens"] == 0
+    # unscripted sampling from the raw model too
+    free = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=11)
+    ref = eng.run(tasks(1), 1, free, make_env=lambda t: EchoEnv(), world="real")
+    ep = act(eng, tasks(1)[0], free, EchoEnv(), RehearsalConfig(budget=0))
+    assert torch.equal(ep.rollout.ids, ref.ids)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_rehearsals_are_private_and_env_runs_each_committed_call_once(eng, micro64, mode):
+    _, tok = micro64
+    budget = 2
+    # committed stream 0 calls lookup; private proposals call ping and predict a secret response
+    private = [PING, ASSESS] * (budget if mode == "sequential" else 1) + [ANSWER]
+    act_script = {0: [LOOKUP, ANSWER], 1: private, 2: private}
+    world_script = {1: [SECRET] * budget, 2: [SECRET] * budget}
+    env = CountingEnv()
+    script = Script(tok, act_script, world_script)
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=budget, mode=mode), steer=script)
+    traj = ep.trajectory
+    assert ep.rollout.end_reasons == ["final_answer"]
+    assert [c.name for c in traj.calls] == ["lookup"] and traj.rehearsed == [False]
+    assert [c[0] for c in env.calls] == ["lookup"]                 # never a rehearsed ping
+    assert len(env.user_texts) == 1 and env.user_texts[0].startswith("done")
+    turn1 = ep.rehearsals[0]
+    assert len(turn1) == budget and all(r["items"][0]["name"] == "ping" for r in turn1)
+    assert all(r["items"][0]["predicted"].startswith('{"secret": "zqzq') for r in turn1)
+    assert all(r["assessment"].startswith("fine") for r in turn1)
+    assert ep.stats["rehearsals"] == budget and ep.stats["extra_tokens"] > 0
+    assert_private_stays_private(ep, env, tok, eng)
+    if mode == "sequential":   # the second proposal saw the first rehearsal and its assessment
+        assert turn1[0]["seen_memory"] == ""
+        assert "zqzq" in turn1[1]["seen_memory"] and "fine" in turn1[1]["seen_memory"]
+        assert script.segment_no[(1, "WORLD")] == budget and (2, "ACT") not in script.segment_no
+    else:
+        assert script.segment_no[(1, "WORLD")] == script.segment_no[(2, "WORLD")] == 1
+    # turn 2: the proposal answered without a call, so it was committed as is (no rehearsal counted)
+    assert [bool(r["items"]) for r in ep.rehearsals[1]] == [False] * len(ep.rehearsals[1])
+
+
+@pytest.mark.parametrize("mode,budget", [("parallel", 3), ("sequential", 3), ("parallel", 1)])
+def test_budget_bounds_private_rehearsals(eng, micro64, mode, budget):
+    _, tok = micro64
+    private = [PING, ASSESS] * 12
+    streams = range(1, budget + 1)
+    script = Script(tok, {0: [LOOKUP, ANSWER], **{s: private for s in streams}},
+                    {s: [SECRET] * 12 for s in streams})
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    env = CountingEnv()
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=budget, mode=mode), steer=script)
+    assert len(ep.rehearsals) == ep.stats["committed_turns"] == 2
+    assert all(len(turn) == budget for turn in ep.rehearsals)
+    world_segments = sum(v for (s, role), v in script.segment_no.items() if role == "WORLD")
+    assert world_segments == ep.stats["rehearsals"] == 2 * budget
+    assert [c[0] for c in env.calls] == ["lookup"]
+    assert_private_stays_private(ep, env, tok, eng)
+
+
+def test_crop_and_refeed_leave_an_exact_cache(eng, micro64):
+    """After memory-conditioned commits the cache is cropped and the committed turn re-fed; a later turn
+    sampled from that cache must have the log-probs of a full forward pass over the committed tokens."""
+    model, tok = micro64
+    private = [PING, ASSESS, ANSWER]
+    script = Script(tok, {0: [LOOKUP], 1: private, 2: private}, {1: [SECRET], 2: [SECRET]})
+    cfg = SamplingConfig(temperature=0.9, max_new_tokens=80, seed=2)
+    ep = act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(budget=2), steer=script)
+    r = ep.rollout
+    n = int(r.lengths[0])
+    ids, roles = r.ids[0, :n], r.roles[0, :n]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids[None]).logits[0].double() / cfg.temperature, -1)
+    logp = logp[:-1].gather(-1, ids[1:, None])[:, 0]
+    last = r.spans[0][-1]
+    assert last.role == Role.ACT and last.turn == 1
+    torch.testing.assert_close(r.logprobs[0, last.start:last.end].double(), logp[last.start - 1:last.end - 1],
+                               atol=1e-6, rtol=0)
+    assert ep.stats["memory_tokens"] > 0 and ep.stats["refed_tokens"] > 0
+
+
+def test_fidelity_probe_is_discarded_and_scored(eng, micro64):
+    _, tok = micro64
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    act_script = {0: [LOOKUP, LOOKUP, ANSWER]}
+    probe = {-1: [['{"tool": "lookup"}\n</tool_response>'], ['{"error": "nope"}\n</tool_response>']]}
+    plain = act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(0), steer=Script(tok, act_script))
+    env = CountingEnv()
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(0, fidelity=True), steer=Script(tok, act_script, probe))
+    assert torch.equal(ep.rollout.ids, plain.rollout.ids)          # probing never changes the trajectory
+    assert len(env.calls) == 2 and len(ep.fidelity) == 2
+    first, second = ep.fidelity
+    assert first["predicted"] == '{"tool": "lookup"}' and json.loads(first["real"])["tool"] == "lookup"
+    assert first["kv_agreement"] == pytest.approx(1 / 3) and not first["exact"] and first["error_correct"]
+    assert second["predicted_error"] and not second["real_error"] and not second["error_correct"]
+    assert ep.stats["fidelity_sampled"] > 0 and ep.stats["extra_tokens"] == 0
+
+
+def test_fidelity_on_hand_made_pairs():
+    f = fidelity('{"balance": 40}', '{"balance": 40}')
+    assert f["exact"] and f["kv_agreement"] == 1.0 and f["error_correct"] and not f["real_error"]
+    f = fidelity('{"a": 1,  "b": 2}', '{"b": 2, "a": 1}')               # same JSON, other spelling
+    assert f["exact"] and f["kv_agreement"] == 1.0
+    f = fidelity('{"ann": 20, "bob": 31}', '{"ann": 20, "bob": 32}')
+    assert not f["exact"] and f["kv_agreement"] == 0.5
+    f = fidelity('{"cost": 9}', '{"cost": 9, "balance": 31, "stock": 2}')
+    assert f["kv_agreement"] == pytest.approx(1 / 3)
+    f = fidelity('not json', '{"x": 1}')
+    assert not f["predicted_json"] and f["kv_agreement"] == 0.0
+    f = fidelity('{"error": "insufficient funds"}', '{"error": "insufficient funds"}')
+    assert f["exact"] and f["real_error"] and f["predicted_error"] and f["error_correct"]
+    f = fidelity('{"balance": 3}', '{"error": "unknown account: zed"}')
+    assert f["real_error"] and not f["predicted_error"] and not f["error_correct"] and f["kv_agreement"] == 0.0
+    f = fidelity("Error: file not found", "Error: no such file")
+    assert f["real_error"] and f["predicted_error"] and f["error_correct"] and f["kv_agreement"] is None
+    f = fidelity("[1, 2]", "[1, 2]")
+    assert f["exact"] and f["kv_agreement"] == 1.0
+
+
+def test_memory_text_and_config_validation():
+    recs = [{"items": [{"name": "get_balance", "arguments": {"account": "ann"}, "predicted": '{"balance": 4}'}],
+             "assessment": "looks right", "content": ""},
+            {"items": [], "assessment": "", "content": "ann has 4"}]
+    text = memory_text(recs)
+    assert text.startswith(MEMORY_HEAD) and text.endswith(rehearse.MEMORY_TAIL)
+    assert 'get_balance({"account": "ann"}) -> predicted {"balance": 4}' in text and "looks right" in text
+    assert "answer without a call: ann has 4" in text and memory_text([]) == ""
+    with pytest.raises(ValueError, match="parallel, sequential"):
+        RehearsalConfig(budget=1, mode="beam")
+    with pytest.raises(ValueError, match=">= 0"):
+        RehearsalConfig(budget=-1)
