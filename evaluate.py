@@ -31,6 +31,7 @@ from pathlib import Path
 
 GROUP_KEYS = ("family", "category", "domain")
 TRAIN_RUN = Path("runs/tiny-toyworld")
+DEFAULT_TOYWORLD_LIMIT = 64
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,8 +79,11 @@ def build_parser():
     p.add_argument("--model", default="auto", help="'auto' (train.py's latest checkpoint, else tiny), 'tiny', "
                    "or a local HF folder")
     p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
+    p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
+                   "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=_int_at_least(1), default=None, help="first N tasks of the split")
+    p.add_argument("--limit", type=_int_at_least(1), default=None,
+                   help="first N tasks of the split (default: all; toyworld: the first 64 of its 1000)")
     p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
     p.add_argument("--num-trials", type=_int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
@@ -247,10 +251,15 @@ def _jsonable(x):
 
 def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     import rehearse
-    from rollout import SamplingConfig, describe_row
+    from rollout import SamplingConfig, describe_row, make_env_fn, model_user_fn
     from tqdm import tqdm
 
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on)
+    # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
+    user_eng = getattr(args, "user_engine", None) or eng
+    make_env = make_env_fn(mod, model_user_fn(user_eng, SamplingConfig(temperature=args.temperature,
+                                                                       top_p=args.top_p, greedy=args.greedy,
+                                                                       seed=args.seed)))
     records = []
     bar = tqdm(total=len(tasks) * args.num_trials, desc=f"{mod.NAME} B={budget}", unit="traj", file=sys.stderr)
     with open(out_path, "w") as fh:
@@ -260,7 +269,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
                 cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
                                      max_new_tokens=args.max_new_tokens, max_world_tokens=args.max_world_tokens,
                                      max_turns=args.max_turns, max_total_len=args.max_total_len, seed=seed)
-                ep = rehearse.act(eng, task, cfg, mod.make_env(task), rcfg)
+                ep = rehearse.act(eng, task, cfg, make_env(task), rcfg)
                 traj = ep.trajectory
                 score = mod.score(task, traj)
                 rec = {"task_id": task.id, "trial": trial, "seed": seed, "budget": budget, "mode": args.rehearsal_mode,
@@ -304,7 +313,10 @@ def main(argv=None) -> int:
     except (BenchUnavailable, ValueError) as exc:
         parser.error(str(exc))
     try:
-        tasks = mod.load_tasks(args.split, limit=args.limit, **dict(args.opt))
+        limit = args.limit
+        if limit is None and args.bench == "toyworld":
+            limit = DEFAULT_TOYWORLD_LIMIT   # its test split has 1000 tasks; this keeps the default run short
+        tasks = mod.load_tasks(args.split, limit=limit, **dict(args.opt))
     except (BenchUnavailable, ValueError, TypeError, FileNotFoundError) as exc:
         parser.error(f"cannot load {args.bench} split {args.split!r}: {exc}")
     if not tasks:
@@ -319,6 +331,13 @@ def main(argv=None) -> int:
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
 
+    args.user_engine = None
+    if args.user_model:
+        try:
+            user_model, user_tok = policy.load_policy(args.user_model, dtype=dtype, device=device)
+            args.user_engine = Engine(user_model.eval(), user_tok)
+        except (policy.PolicyLoadError, TemplateError) as exc:
+            parser.error(f"--user-model: {exc}")
     budgets = args.compare or [args.rehearsal_budget]
     fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
     out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")

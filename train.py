@@ -181,6 +181,7 @@ class TrainConfig:
     split: str = "train"
     out: str = "runs/tiny-toyworld"
     env: str = "rehearse"            # rehearse (EnvACE) | real (standard GRPO with the environment)
+    user_model: str = ""             # simulated user for tau2/vita (a local HF folder); "" = the policy itself
     train_roles: str = "act,world"   # act,world (EnvACE) | act (ablation)
     steps: int = 60
     tasks_per_step: int = 8
@@ -248,7 +249,9 @@ def validate(cfg: TrainConfig):
     if cfg.env not in ("rehearse", "real"):
         raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
     parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles)
-    positive = ["steps", "tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
+    if cfg.steps < 0:
+        raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
+    positive = ["tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
                 "max_world_tokens", "max_turns", "max_total_len", "sft_batch", "save_every", "chunk_size",
                 "max_bad_steps"]
     for name in positive:
@@ -573,6 +576,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         raise ConfigError(f"run folder {run} already exists; use --resume {run} to continue it, --out for a new "
                           "one, or --overwrite to replace it")
     cfg = cfg.resolved()
+    if cfg.sft_steps + cfg.steps <= 0:
+        raise ConfigError("nothing to do: --steps and --sft-steps are both 0")
     train_roles, sft_roles = parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles)
     random.seed(cfg.seed + d.rank)
     np.random.seed(cfg.seed + d.rank)
@@ -607,9 +612,13 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     scfg = rollout.SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                   max_world_tokens=cfg.max_world_tokens, max_turns=cfg.max_turns,
                                   max_total_len=cfg.max_total_len)
-    user_fn = rollout.model_user_fn(engine) if "user_fn" in __import__("inspect").signature(
-        bench.make_env).parameters else None
-    make_env = rollout.make_env_fn(bench, user_fn)
+    # tau2/vita need a simulated user: --user-model, or by default the policy itself in its own context
+    user_engine = engine
+    if cfg.user_model:
+        user_model, user_tok = policy.load_policy(cfg.user_model, dtype=torch.float32, device=d.device)
+        user_engine = rollout.Engine(user_model.eval(), user_tok)
+    make_env = rollout.make_env_fn(bench, rollout.model_user_fn(user_engine, rollout.SamplingConfig(
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)))
     total_steps = cfg.sft_steps + cfg.steps
     ref_model = None
     stop = {"flag": False}
