@@ -1,0 +1,787 @@
+"""Speed and memory of the pieces that make agentic RL fast: one run, reported as ratios.
+
+    python bench/speed.py                 # CPU default (~10 minutes on 2 cores), writes runs/speed/speed.json
+    python bench/speed.py --quick         # CPU, under a minute
+    python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
+    python bench/speed.py --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
+    bash bench/speed_gpu.sh               # the same, the way it is meant to run on one H200-class GPU
+
+1. rollout   Multi-turn rollout throughput at 1/4/8/16 turns and several group sizes, three ways, on the same
+             model and the same sampled token ids (greedy + a scripted steering hook, tests/scripted.Script):
+               cached   rollout.Engine: the KV cache is kept across turns, only new tokens are ever fed
+               hf       HF `model.generate` once per turn on the re-encoded full context, then the turn's
+                        tokens and the observation are appended (what TRL's transformers path does)
+               nocache  Engine.run(use_cache=False): every sampling step re-encodes every row
+             The trajectories are toyworld tasks executed against the real environment; each assistant turn
+             is a scripted tool call whose argument is the model's own choice (free slots), the last turn a
+             short answer. `hf` appends exactly the scaffolding + observation tokens the cached run produced
+             (no parsing or environment work is timed for it, which favours it) and we check that the ids
+             it generates itself are identical to the cached run's.
+             Counted for every method: wall seconds, sampled tokens/s, positions processed (every position of
+             every forward, padding included) and forward FLOPs (every nn.Linear, plus dense attention
+             4 * layers * B * Q * K * heads * head_dim).
+2. logprob   Peak memory of train.token_logprobs (chunked, role-masked, checkpointed LM head) vs a naive full
+             log_softmax over [T, V], forward + backward, vocab 32k and 152k, sequence 4k-16k, a 2-layer model
+             with small hidden. Each measurement runs in a fresh subprocess: on CPU the peak is
+             ru_maxrss(after) - ru_maxrss(before the measured step); on GPU torch.cuda.max_memory_allocated
+             minus what was allocated before. Values and gradients of the two are compared (max abs diff).
+             Naive cases that would not fit in memory are skipped with a note.
+3. grpo      One GRPO step on toyworld split into rollout / reward / log-prob / backward / optimizer, written
+             inline with train.py's and reward.py's functions.
+
+Tables are printed; everything is written as JSON (--out). No number here is asserted anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import policy  # noqa: E402
+import reward  # noqa: E402
+import train  # noqa: E402
+from bench import toyworld  # noqa: E402
+from rollout import Engine, Role, SamplingConfig, role_mask  # noqa: E402
+from tests.scripted import Script, call_text  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------------------
+# Run sizes
+
+# ~11M parameters (hidden 384, 6 layers, vocab 4096): the small end of the 10-50M range, which is the
+# conservative end for the cached/hf ratio (a bigger model makes re-encoding relatively more expensive).
+CPU_MODEL = policy.TinyConfig(hidden_size=384, intermediate_size=1152, num_hidden_layers=6,
+                              num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+QUICK_MODEL = policy.TinyConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=64, corpus_tasks=300,
+                                vocab_size=2048)
+
+# Real Qwen3 architectures (random weights: nothing is downloaded), vocab 151936.
+ARCHS = {
+    # a toy of the same construction, so the CPU smoke test runs the --gpu code path (random weights, vocab 151936)
+    "qwen3-test": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+}
+QWEN3_VOCAB = 151936
+
+PRESETS = {
+    # turns, groups (rows = tasks * group), nocache cells, logprob cells (vocab, seq), naive memory limit
+    # arch_vocab: the smoke test runs the --gpu construction with a smaller vocab, to stay fast on CPU
+    "smoke": dict(turns=[1, 2], groups=[2], tasks=1, nocache=[(1, 2)], logprob=[(4096, 512)], logprob_hidden=64,
+                  arch_vocab=8192,
+                  grpo_tasks=1, grpo_group=2, grpo_steps=1, grpo_warmup=0),
+    "quick": dict(turns=[1, 4], groups=[4], tasks=1, nocache=[(1, 4)],
+                  logprob=[(32768, 2048)], logprob_hidden=64,
+                  grpo_tasks=2, grpo_group=2, grpo_steps=1, grpo_warmup=0),
+    # nocache re-encodes every row at every step: 4 turns already cost ~100x the cached run, so it stops there
+    "default": dict(turns=[1, 4, 8, 16], groups=[4, 16], tasks=1, nocache=[(1, 4), (4, 4)],
+                    logprob=[(32768, 4096), (32768, 16384), (QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 16384)],
+                    logprob_hidden=128, grpo_tasks=4, grpo_group=4, grpo_steps=3, grpo_warmup=1),
+    "gpu": dict(turns=[1, 4, 8, 16], groups=[8, 32], tasks=1, nocache=[(1, 8), (4, 8), (8, 8)],
+                logprob=[(QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 8192), (QWEN3_VOCAB, 16384)],
+                logprob_hidden=None, grpo_tasks=4, grpo_group=8, grpo_steps=3, grpo_warmup=1),
+}
+
+
+@dataclasses.dataclass
+class Setup:
+    device: torch.device
+    dtype: torch.dtype
+    attn: str
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_mib(device):
+    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Models
+
+
+def build_tiny_model(tmp: Path, cfg: policy.TinyConfig, setup: Setup):
+    path = policy.build_tiny(tmp / "tiny", cfg)
+    model, tok = policy.load_policy(str(path), dtype=setup.dtype, device=setup.device,
+                                    attn_implementation=setup.attn)
+    return model.eval(), tok
+
+
+def build_arch_model(arch: str, tok, setup: Setup, vocab_size: int = QWEN3_VOCAB, num_hidden_layers=None):
+    """A Qwen3 model of a real architecture with random weights, built directly on the device."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    spec = dict(ARCHS[arch])
+    if num_hidden_layers is not None:
+        spec["num_hidden_layers"] = num_hidden_layers
+    config = Qwen3Config(vocab_size=vocab_size, max_position_embeddings=40960, tie_word_embeddings=True,
+                         rope_theta=1e6, bos_token_id=None, eos_token_id=tok.eos_token_id if tok else None,
+                         pad_token_id=tok.pad_token_id if tok else 0, **spec)
+    torch.manual_seed(0)
+    with torch.device(setup.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=setup.dtype, attn_implementation=setup.attn)
+    if tok is not None:
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval()
+
+
+def n_params(model, embeddings=True):
+    total = sum(p.numel() for p in model.parameters())
+    if not embeddings:
+        total -= model.get_input_embeddings().weight.numel()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Counting what every forward pass processes
+
+
+class Meter:
+    """Forward hooks: positions fed (padding included), forward calls, and FLOPs (linears + dense attention)."""
+
+    def __init__(self, model):
+        c = model.config
+        self.attn_per_qk = 4 * c.num_hidden_layers * c.num_attention_heads * getattr(
+            c, "head_dim", c.hidden_size // c.num_attention_heads)
+        self.model, self.handles = model, []
+        self.reset()
+
+    def reset(self):
+        self.calls = self.positions = 0
+        self.flops = 0.0
+
+    def _top(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return
+        b, q = ids.shape
+        mask = kwargs.get("attention_mask")
+        past = kwargs.get("past_key_values", kwargs.get("cache"))
+        k = mask.shape[-1] if mask is not None else q + (past.get_seq_length() if past is not None else 0)
+        self.calls += 1
+        self.positions += b * q
+        self.flops += self.attn_per_qk * b * q * k
+
+    def _linear(self, module, args, output):
+        x = args[0]
+        self.flops += 2.0 * module.in_features * module.out_features * (x.numel() // module.in_features)
+
+    def __enter__(self):
+        self.handles.append(self.model.register_forward_pre_hook(self._top, with_kwargs=True))
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Linear):
+                self.handles.append(m.register_forward_hook(self._linear))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Multi-turn rollout throughput
+
+
+def rollout_tasks(n_tasks: int):
+    # toyworld tasks with no assistant-turn limit of their own: the sampling config sets the number of turns
+    return [dataclasses.replace(t, max_assistant_turns=None) for t in toyworld.load_tasks("test", limit=n_tasks)]
+
+
+class FastScript(Script):
+    """tests/scripted.Script with its segment plans tokenized once, not at every step (the steering hook's
+    own cost is then negligible for every method, so the timings are about the engines)."""
+
+    _allowed_cache: dict = {}
+
+    def __init__(self, tok, act, world=None, eos_after=True):
+        self.tok, self.act, self.world, self.eos_after = tok, act, world or {}, eos_after
+        self.segment_no = {}
+        key = id(tok)
+        if key not in self._allowed_cache:
+            self._allowed_cache[key] = torch.tensor([i for i in range(len(tok)) if tok.decode([i]).isalnum()])
+        self.allowed = self._allowed_cache[key]
+        self._plans = {}
+
+    def plan(self, items):
+        key = tuple(items)
+        if key not in self._plans:
+            self._plans[key] = super().plan(items)
+        return self._plans[key]
+
+
+def turn_script(tok, n_rows: int, turns: int) -> Script:
+    """turns-1 tool calls (get_balance with a model-chosen account name), then a short answer, every row."""
+    call = [call_text("get_balance", '{"account": "'), 3, '"}}\n</tool_call>']
+    answer = ["The balance is ", 2]
+    return FastScript(tok, {r: [call] * (turns - 1) + [answer] for r in range(n_rows)})
+
+
+class ScriptProcessor:
+    """The same Script as a LogitsProcessor for HF generate: the turn's tokens are input_ids[:, start:]."""
+
+    def __init__(self, script: Script, start: int, eos: int):
+        self.script, self.start, self.eos = script, start, eos
+
+    def __call__(self, input_ids, scores):
+        segments = []
+        for row in input_ids[:, self.start:].tolist():
+            segments.append((Role.ACT, row[:row.index(self.eos) + 1] if self.eos in row else row))
+        return self.script(list(range(input_ids.shape[0])), segments, scores)
+
+
+def act_spans(rollout, b):
+    return [s for s in rollout.spans[b] if s.role == Role.ACT]
+
+
+def hf_per_turn(model, tok, engine, tasks, group, ref, cfg, script_rows):
+    """Per turn: model.generate on the whole re-encoded context, then append the turn and the observation.
+
+    The observation (and scaffolding) tokens between two assistant turns are taken from `ref` (the cached
+    run) so that both methods see the same contexts; the turn's own tokens are generated here and compared.
+    """
+    from transformers import LogitsProcessorList
+
+    device = next(model.parameters()).device
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    prompts = [engine.prompt_ids(t) for t in tasks for _ in range(group)]     # task-major, like Engine.run
+    seqs = [list(p) for p in prompts]
+    spans = [act_spans(ref, b) for b in range(len(seqs))]
+    ref_ids = [ref.ids[b].tolist() for b in range(len(seqs))]
+    script = turn_script(tok, len(seqs), script_rows)
+    n_turns = max(len(s) for s in spans)
+    sampled, mismatched, compared = 0, 0, 0
+    for t in range(n_turns):
+        rows = [b for b in range(len(seqs)) if t < len(spans[b])]
+        width = max(len(seqs[b]) for b in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, b in enumerate(rows):   # left-padded, as HF generation expects
+            ids[j, width - len(seqs[b]):] = torch.tensor(seqs[b])
+            mask[j, width - len(seqs[b]):] = 1
+        # the script's row numbers are this batch's rows; keep its per-row segment counters aligned
+        script.segment_no = {(j, "ACT"): t for j in range(len(rows))}
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=pad,
+                             eos_token_id=eos, logits_processor=LogitsProcessorList(
+                                 [ScriptProcessor(script, width, eos)]))
+        new = out[:, width:].tolist()
+        for j, b in enumerate(rows):
+            gen = new[j][:new[j].index(eos) + 1] if eos in new[j] else new[j]
+            span = spans[b][t]
+            want = ref_ids[b][span.start:span.end]
+            compared += 1
+            mismatched += gen != want
+            sampled += len(gen)
+            nxt = spans[b][t + 1].start if t + 1 < len(spans[b]) else span.end
+            seqs[b] += gen + ref_ids[b][span.end:nxt]
+    return {"sampled_tokens": sampled, "turns_compared": compared, "turns_mismatched": mismatched}
+
+
+def run_engine(model, tok, tasks, group, turns, cfg, use_cache):
+    engine = Engine(model, tok)
+    n_rows = len(tasks) * group
+    return engine.run(tasks, group, cfg=dataclasses.replace(cfg, max_turns=turns), make_env=toyworld.make_env,
+                      world="real", use_cache=use_cache, steer=turn_script(tok, n_rows, turns))
+
+
+def measure(model, fn):
+    device = next(model.parameters()).device
+    reset_peak(device)
+    with Meter(model) as meter:
+        sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        result = fn()
+        sync(device)
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, "forward_calls": meter.calls, "positions": meter.positions,
+                    "tflops": meter.flops / 1e12, "peak_mib": peak_mib(device)}
+
+
+def bench_rollout(model, tok, preset, log):
+    cfg = SamplingConfig(greedy=True, max_new_tokens=48, max_total_len=8192, seed=0)
+    engine = Engine(model, tok)
+    run_engine(model, tok, rollout_tasks(1), 2, 2, cfg, True)      # warm-up (first-call overheads)
+    cells = []
+    nocache = set(map(tuple, preset["nocache"]))
+    for group in preset["groups"]:
+        for turns in preset["turns"]:
+            tasks = rollout_tasks(preset["tasks"])
+            ref, a = measure(model, lambda: run_engine(model, tok, tasks, group, turns, cfg, True))
+            a["sampled_tokens"] = ref.stats["tokens_sampled"]
+            cell = {"turns": turns, "group": group, "rows": len(tasks) * group,
+                    "turns_done": min(len(act_spans(ref, b)) for b in range(len(ref.spans))),
+                    "context_tokens": int(ref.lengths.float().mean()), "cached": a}
+            hf_out, b = measure(model, lambda: hf_per_turn(model, tok, engine, tasks, group, ref, cfg, turns))
+            b.update(hf_out)
+            cell["hf"] = b
+            cell["identical_ids"] = hf_out["turns_mismatched"] == 0
+            if (turns, group) in nocache:
+                nc, c = measure(model, lambda: run_engine(model, tok, tasks, group, turns, cfg, False))
+                c["sampled_tokens"] = nc.stats["tokens_sampled"]
+                c["identical_ids"] = bool(torch.equal(nc.ids, ref.ids))
+                cell["nocache"] = c
+            for k in ("cached", "hf", "nocache"):
+                if k in cell:
+                    cell[k]["tokens_per_s"] = cell[k]["sampled_tokens"] / cell[k]["seconds"]
+            cell["speedup_vs_hf"] = b["seconds"] / a["seconds"]
+            cell["cpu_speedup_vs_hf"] = b["cpu_seconds"] / a["cpu_seconds"]
+            cell["flops_ratio_hf"] = b["tflops"] / a["tflops"]
+            if "nocache" in cell:
+                cell["speedup_vs_nocache"] = cell["nocache"]["seconds"] / a["seconds"]
+                cell["cpu_speedup_vs_nocache"] = cell["nocache"]["cpu_seconds"] / a["cpu_seconds"]
+                cell["flops_ratio_nocache"] = cell["nocache"]["tflops"] / a["tflops"]
+            cells.append(cell)
+            log(rollout_row(cell))
+    return cells
+
+
+ROLLOUT_HEADER = (f"{'turns':>5} {'G':>3} {'ctx':>5} | {'tok/s cached':>12} {'hf':>7} {'nocache':>7} | "
+                  f"{'x hf wall/cpu':>13} {'x nc wall/cpu':>13} | {'TFLOP cached/hf/nc':>22} | "
+                  f"{'positions cached/hf/nc':>24} | same ids")
+
+
+def rollout_row(c):
+    nc = c.get("nocache")
+    nan = float("nan")
+    g = lambda x: f"{x:.3g}"  # noqa: E731
+    xhf = f"{c['speedup_vs_hf']:.2f}/{c['cpu_speedup_vs_hf']:.2f}"
+    xnc = f"{c['speedup_vs_nocache']:.2f}/{c['cpu_speedup_vs_nocache']:.2f}" if nc else "-"
+    flops = "/".join([g(c["cached"]["tflops"]), g(c["hf"]["tflops"]), g(nc["tflops"]) if nc else "-"])
+    pos = "/".join([str(c["cached"]["positions"]), str(c["hf"]["positions"]), str(nc["positions"]) if nc else "-"])
+    same = f"hf:{'yes' if c['identical_ids'] else 'NO'}" + (f" nc:{'yes' if nc['identical_ids'] else 'NO'}" if nc else "")
+    return (f"{c['turns']:>5} {c['group']:>3} {c['context_tokens']:>5} | {c['cached']['tokens_per_s']:>12.1f} "
+            f"{c['hf']['tokens_per_s']:>7.1f} {nc['tokens_per_s'] if nc else nan:>7.1f} | {xhf:>13} {xnc:>13} | "
+            f"{flops:>22} | {pos:>24} | {same}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Log-prob memory (each measurement in a fresh subprocess)
+
+
+def naive_logprobs(model, ids, loss_mask, attention_mask):
+    """The full [B, T, V] logits, a full log_softmax, then the gather: what chunking avoids."""
+    logits = model(input_ids=ids, attention_mask=attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.nn.functional.pad(logp * loss_mask[:, 1:], (1, 0))
+
+
+def logprob_worker(spec: dict) -> dict:
+    """Build the model, measure one forward+backward of one method, save values and grads for comparison."""
+    device = torch.device(spec["device"])
+    dtype = getattr(torch, spec["dtype"])
+    torch.set_num_threads(spec["threads"])
+    setup = Setup(device, dtype, spec["attn"])
+    model = build_arch_model(spec["arch"], None, setup, vocab_size=spec["vocab"], num_hidden_layers=spec["layers"]) \
+        if spec["arch"] else None
+    if model is None:
+        from transformers import AutoModelForCausalLM, Qwen3Config
+        h = spec["hidden"]
+        config = Qwen3Config(vocab_size=spec["vocab"], hidden_size=h, intermediate_size=2 * h,
+                             num_hidden_layers=spec["layers"], num_attention_heads=max(1, h // 64),
+                             num_key_value_heads=1, head_dim=64, max_position_embeddings=spec["seq"] + 8,
+                             tie_word_embeddings=True, pad_token_id=0)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec["attn"])
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    T = spec["seq"]
+    ids = torch.randint(0, spec["vocab"], (1, T), generator=g).to(device)
+    attention_mask = torch.ones_like(ids)
+    # role mask: the first 10% is prompt, then alternating trained (ACT) / untrained (OBS) spans of 256
+    roles = torch.full((1, T), int(Role.ACT))
+    roles[:, : T // 10] = int(Role.PROMPT)
+    for s in range(T // 10, T, 512):
+        roles[:, s + 256: s + 512] = int(Role.OBS)
+    loss_mask = role_mask(roles, (Role.ACT,)).to(device)
+    gc.collect()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    # CPU: peak RSS during the step minus the RSS right before it. The kernel's high-water mark is reset to
+    # the current RSS first (clear_refs 5): ru_maxrss alone would start at the *parent's* peak, which a
+    # subprocess inherits through fork+exec. Without that reset the number is an upper bound (flagged).
+    rss_before = _rss_now()
+    hwm_reset = _reset_peak_rss()
+    peak_before = _peak_rss()
+    t0 = time.perf_counter()
+    if spec["method"] == "chunked":
+        logp = train.token_logprobs(model, ids, loss_mask, attention_mask, chunk_size=spec["chunk_size"])
+    else:
+        logp = naive_logprobs(model, ids, loss_mask, attention_mask)
+    loss = -(logp * loss_mask).sum() / loss_mask.sum()
+    loss.backward()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    peak_after = _peak_rss()
+    out = {"seconds": seconds, "trained_tokens": int(loss_mask.sum())}
+    if device.type == "cuda":
+        out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        out["peak_mib"] = (peak_after - rss_before) / 2**20
+        out["upper_bound"] = not hwm_reset and peak_after <= peak_before
+    if spec.get("save"):
+        torch.save({"logp": logp.detach().float().cpu()[loss_mask.cpu()],
+                    "grads": {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}},
+                   spec["save"])
+    return out
+
+
+def _rss_now():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss():
+    """VmHWM (this mm's peak, resettable) where /proc has it, else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def naive_bytes(vocab, seq, dtype_bytes):
+    # logits in the model dtype, its fp32 copy, the log_softmax output and, in backward, two [T, V] fp32 grads
+    return seq * vocab * (dtype_bytes + 4 * 4)
+
+
+def available_bytes(device):
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info["MemAvailable"]
+
+
+def bench_logprob(preset, setup: Setup, args, log):
+    cells = []
+    tmp = Path(tempfile.mkdtemp(prefix="speed-lp-"))
+    budget = 0.8 * available_bytes(setup.device)
+    dtype_bytes = torch.finfo(setup.dtype).bits // 8
+    for vocab, seq in preset["logprob"]:
+        cell = {"vocab": vocab, "seq": seq, "chunk_size": args.chunk_size}
+        for method in ("chunked", "naive"):
+            if method == "naive" and naive_bytes(vocab, seq, dtype_bytes) > budget:
+                cell[method] = {"skipped": f"needs about {naive_bytes(vocab, seq, dtype_bytes) / 2**30:.0f} GiB, "
+                                           f"{budget / 2**30:.0f} GiB available"}
+                continue
+            spec = {"device": str(setup.device), "dtype": str(setup.dtype).split(".")[-1], "attn": setup.attn,
+                    "threads": torch.get_num_threads(), "arch": args.arch,
+                    "hidden": preset["logprob_hidden"], "layers": 2, "vocab": vocab, "seq": seq,
+                    "method": method, "save": str(tmp / f"{method}.pt"), "chunk_size": args.chunk_size}
+            proc = subprocess.run([sys.executable, __file__, "--logprob-worker", json.dumps(spec)],
+                                  capture_output=True, text=True, cwd=ROOT)
+            if proc.returncode != 0:
+                cell[method] = {"error": (proc.stderr or proc.stdout)[-800:]}
+                continue
+            cell[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "peak_mib" in cell["chunked"] and "peak_mib" in cell.get("naive", {}):
+            a = torch.load(tmp / "chunked.pt")
+            b = torch.load(tmp / "naive.pt")
+            cell["memory_ratio"] = cell["chunked"]["peak_mib"] / cell["naive"]["peak_mib"]
+            cell["logp_max_abs_diff"] = float((a["logp"] - b["logp"]).abs().max())
+            cell["grad_max_abs_diff"] = max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"])
+            cell["grad_max_abs"] = max(float(b["grads"][k].abs().max()) for k in b["grads"])
+        for f in tmp.glob("*.pt"):
+            f.unlink()
+        cells.append(cell)
+        log(logprob_row(cell))
+    tmp.rmdir()
+    return cells
+
+
+LOGPROB_HEADER = (f"{'vocab':>7} {'seq':>6} | {'chunked MiB':>11} {'naive MiB':>10} {'ratio':>6} | "
+                  f"{'chunked s':>9} {'naive s':>8} | {'logp diff':>9} {'grad diff':>9}")
+
+
+def logprob_row(c):
+    ch, nv = c["chunked"], c.get("naive", {})
+    if "peak_mib" not in ch:
+        return f"{c['vocab']:>7} {c['seq']:>6} | chunked failed: {ch.get('error', '')[-200:]}"
+    if "peak_mib" not in nv:
+        note = nv.get("skipped") or nv.get("error", "")[-200:]
+        return (f"{c['vocab']:>7} {c['seq']:>6} | {ch['peak_mib']:>11.0f} {'-':>10} {'-':>6} | "
+                f"{ch['seconds']:>9.1f} {'-':>8} | naive skipped: {note}")
+    mib = lambda m: f"{m['peak_mib']:.0f}" + ("*" if m.get("upper_bound") else "")  # noqa: E731
+    return (f"{c['vocab']:>7} {c['seq']:>6} | {mib(ch):>11} {mib(nv):>10} "
+            f"{c['memory_ratio']:>6.3f} | {ch['seconds']:>9.1f} {nv['seconds']:>8.1f} | "
+            f"{c['logp_max_abs_diff']:>9.2e} {c['grad_max_abs_diff']:>9.2e}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. One GRPO step on toyworld, timed by phase
+
+
+def grpo_script(tok, n_rows):
+    """Two assistant turns with a rehearsed response in between, free slots sampled from the model."""
+    call = [call_text("get_balance", '{"account": "'), 2, '"}}\n</tool_call>']
+    world = ['{"balance": ', 2, '}\n</tool_response>']
+    answer = ["The balance is ", 3]
+    return FastScript(tok, {r: [call, answer] for r in range(n_rows)}, {r: [world] for r in range(n_rows)})
+
+
+def bench_grpo(model, tok, preset, setup: Setup, log):
+    device = setup.device
+    tasks = toyworld.load_tasks("train", limit=preset["grpo_tasks"] * (preset["grpo_steps"] + preset["grpo_warmup"]))
+    engine = Engine(model, tok)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=48, max_world_tokens=32, max_turns=2, seed=0)
+    loss_cfg = train.LossConfig()
+    train_roles = (Role.ACT, Role.WORLD)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    G = preset["grpo_group"]
+    steps = []
+    for step in range(preset["grpo_warmup"] + preset["grpo_steps"]):
+        batch = tasks[step * preset["grpo_tasks"]:(step + 1) * preset["grpo_tasks"]]
+        t = {}
+        reset_peak(device)
+
+        def phase(name, t0):
+            sync(device)
+            t[name] = time.perf_counter() - t0
+            return time.perf_counter()
+
+        model.eval()
+        t0 = time.perf_counter()
+        ro = engine.run(batch, G, cfg=cfg, world="rehearse", steer=grpo_script(tok, len(batch) * G))
+        t0 = phase("rollout", t0)
+        scores = [reward.trajectory_reward("toyworld", batch[ti], traj, defects, defect_penalty=0.1)
+                  for ti, traj, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
+        rewards = torch.tensor([s.reward for s in scores])
+        adv, flat = train.group_advantages(rewards, torch.tensor(ro.task_index))
+        t0 = phase("reward", t0)
+        model.train()
+        ids, roles = ro.ids.clone().to(device), ro.roles.clone().to(device)   # out of inference mode
+        attention_mask = (roles != Role.PAD).long()
+        logp = train.token_logprobs(model, ids, role_mask(roles, train_roles), attention_mask, cfg.temperature)
+        loss, stats = train.grpo_loss(logp, ro.logprobs.clone().to(device), adv.to(device), roles, train_roles, loss_cfg)
+        t0 = phase("logprob", t0)
+        loss.backward()
+        t0 = phase("backward", t0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        phase("optimizer", t0)
+        t["total"] = sum(t.values())
+        t.update(rows=len(ro.trajectories), tokens=int(ro.lengths.sum()), trained_tokens=stats["tokens"],
+                 mean_reward=float(rewards.mean()), flat_groups=flat, warmup=step < preset["grpo_warmup"],
+                 peak_mib=peak_mib(device))
+        steps.append(t)
+    model.eval()
+    timed = [s for s in steps if not s["warmup"]]
+    summary = {k: statistics.median(s[k] for s in timed)
+               for k in ("rollout", "reward", "logprob", "backward", "optimizer", "total")}
+    summary["fractions"] = {k: summary[k] / summary["total"] for k in ("rollout", "reward", "logprob", "backward",
+                                                                       "optimizer")}
+    result = {"steps": steps, "median": summary, "tasks_per_step": preset["grpo_tasks"], "group": G}
+    log(grpo_table(result))
+    return result
+
+
+def grpo_table(r):
+    m = r["median"]
+    head = f"{'phase':>10} | {'seconds':>8} | {'share':>6}"
+    lines = [head, "-" * len(head)]
+    for k in ("rollout", "reward", "logprob", "backward", "optimizer"):
+        lines.append(f"{k:>10} | {m[k]:>8.3f} | {100 * m['fractions'][k]:>5.1f}%")
+    lines.append(f"{'total':>10} | {m['total']:>8.3f} |")
+    s = r["steps"][-1]
+    lines.append(f"({r['tasks_per_step']} tasks x G={r['group']} = {s['rows']} rows, {s['tokens']} tokens, "
+                 f"{s['trained_tokens']} trained; median of {sum(not x['warmup'] for x in r['steps'])} steps)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def summarize(result):
+    """The headline numbers: the ratios the run exists for."""
+    out = {}
+    cells = result.get("rollout", [])
+    for c in cells:
+        out[f"rollout_speedup_vs_hf_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_hf"], 3)
+    for c in cells:
+        if "speedup_vs_nocache" in c:
+            out[f"rollout_speedup_vs_nocache_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_nocache"], 3)
+    for c in result.get("logprob", []):
+        if "memory_ratio" in c:
+            out[f"logprob_memory_ratio_v{c['vocab']}_t{c['seq']}"] = round(c["memory_ratio"], 4)
+    if "grpo" in result:
+        out["grpo_step_seconds"] = round(result["grpo"]["median"]["total"], 3)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small run (under a minute on CPU)")
+    p.add_argument("--gpu", action="store_true", help="cuda, bf16, a real-size random-weight Qwen3 config")
+    p.add_argument("--arch", default=None, choices=sorted(ARCHS),
+                   help="a random-weight Qwen3 architecture instead of the tiny model (default qwen3-1.7b with --gpu)")
+    p.add_argument("--attn", default=None, help="comma list of attention implementations "
+                   "(default: sdpa on CPU; sdpa and flash_attention_2 if installed on GPU)")
+    p.add_argument("--parts", default="rollout,logprob,grpo", help="comma list of: rollout, logprob, grpo")
+    p.add_argument("--out", default="runs/speed/speed.json")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--smoke", action="store_true", help="the smallest run (the test suite's smoke test)")
+    p.add_argument("--chunk-size", type=int, default=1024, help="token_logprobs chunk size in the log-prob part")
+    p.add_argument("--logprob-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    # train.grpo_loss reads float() of a grad-carrying tensor for its stats; harmless, and noisy here
+    warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.logprob_worker:
+        print(json.dumps(logprob_worker(json.loads(args.logprob_worker))))
+        return None
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device; torch.cuda.is_available() is False")
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in ("rollout", "logprob", "grpo")]
+    if bad:
+        raise ValueError(f"unknown part(s) {bad}; choose from rollout, logprob, grpo")
+    name = "gpu" if args.gpu else "smoke" if args.smoke else "quick" if args.quick else "default"
+    preset = PRESETS[name]
+    if args.gpu and not args.arch:
+        args.arch = "qwen3-1.7b"
+    if args.gpu and (args.quick or args.smoke):
+        preset = dict(preset, turns=[1, 4], groups=[8], nocache=[(1, 8)], logprob=[(QWEN3_VOCAB, 4096)],
+                      grpo_steps=1, grpo_warmup=1)
+    device = torch.device("cuda" if args.gpu else "cpu")
+    dtype = torch.bfloat16 if args.gpu else torch.float32
+    if args.attn:
+        attns = args.attn.split(",")
+    else:
+        attns = ["sdpa"]
+        if args.gpu and policy.default_attn_implementation(device) == "flash_attention_2":
+            attns.append("flash_attention_2")
+
+    t_start = time.perf_counter()
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    result = {"preset": name,
+              "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                          "torch": torch.__version__, "threads": torch.get_num_threads(),
+                          "cpus": os.cpu_count(), "device": torch.cuda.get_device_name() if args.gpu else "cpu",
+                          "dtype": str(dtype)},
+              "runs": {}}
+    import transformers
+    result["machine"]["transformers"] = transformers.__version__
+    with tempfile.TemporaryDirectory(prefix="speed-") as tmp:
+        tmp = Path(tmp)
+        tiny_cfg = QUICK_MODEL if args.quick or args.smoke else CPU_MODEL
+        for attn in attns:
+            setup = Setup(device, dtype, attn)
+            run = result["runs"][attn] = {}
+
+            def attempt(part, fn):
+                # on CPU a failure is a bug: raise. On GPU keep the other parts' results (e.g. flash-attn
+                # installed but unusable for one of them) and record the error in the JSON.
+                try:
+                    run[part] = fn()
+                except Exception as exc:
+                    if not args.gpu:
+                        raise
+                    run.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"
+                    log(f"{part} with {attn} failed: {run['errors'][part]}")
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+
+            def make_model():
+                if args.arch:
+                    tok = policy.build_tokenizer(tiny_cfg)
+                    vocab = preset.get("arch_vocab", QWEN3_VOCAB)
+                    return build_arch_model(args.arch, tok, setup, vocab_size=vocab), tok, \
+                        f"{args.arch} (random weights, vocab {vocab})"
+                model, tok = build_tiny_model(tmp, tiny_cfg, setup)
+                return model, tok, f"tiny qwen3 {dataclasses.asdict(tiny_cfg)}"
+
+            built = []
+            attempt("model", lambda: built.append(make_model()))
+            if built:
+                model, tok, model_name = built.pop()
+                run["model"] = {"name": model_name, "params_m": n_params(model) / 1e6,
+                                "params_m_no_embedding": n_params(model, False) / 1e6,
+                                "vocab": model.config.vocab_size, "attn": attn}
+                log(f"\n== {model_name}: {n_params(model) / 1e6:.1f}M params, {attn}, {dtype}, {device}")
+                if "rollout" in parts:
+                    log("\n-- 1. multi-turn rollout: sampled tokens/s; x hf / x nc = cached speedup (wall time)")
+                    log(ROLLOUT_HEADER)
+                    attempt("rollout", lambda: bench_rollout(model, tok, preset, log))
+                if "grpo" in parts:
+                    log("\n-- 3. one GRPO step on toyworld (rehearsal rollout), median seconds per phase")
+                    attempt("grpo", lambda: bench_grpo(model, tok, preset, setup, log))
+                del model
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if "logprob" in parts:
+                log("\n-- 2. log-prob forward+backward peak memory: chunked token_logprobs vs naive log_softmax")
+                log(LOGPROB_HEADER)
+                attempt("logprob", lambda: bench_logprob(preset, setup, args, log))
+            run["summary"] = summarize(run)
+    result["summary"] = {attn: run.get("summary") for attn, run in result["runs"].items()}
+    result["seconds"] = time.perf_counter() - t_start
+    result["table"] = "\n".join(lines)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    log(f"\nwrote {out} ({result['seconds']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# bench/speed.py on one GPU: bf16, a real-size Qwen3 architecture with random weights (vocab 151936, the tiny
+# tokenizer drives it: nothing is downloaded), SDPA and, if flash-attn is installed, flash_attention_2.
+# Sized for a few minutes on one H200-class GPU (80+ GiB). Prints the tables (tokens/s, peak
+# torch.cuda.max_memory_allocated) and writes runs/speed/speed_gpu.json.
+#
+#   bash bench/speed_gpu.sh                      # qwen3-1.7b
+#   ARCH=qwen3-4b bash bench/speed_gpu.sh        # or qwen3-0.6b
+#   QUICK=1 bash bench/speed_gpu.sh              # about a minute: 1 and 4 turns, one log-prob cell
+#   PYTHON=/path/to/python bash bench/speed_gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+ARCH=${ARCH:-qwen3-1.7b}
+OUT=${OUT:-runs/speed/speed_gpu.json}
+export PYTHONUNBUFFERED=1
+"$PYTHON" - <<'PY'
+import torch, transformers
+assert torch.cuda.is_available(), "no CUDA device: run bench/speed.py (CPU) instead"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+try:
+    import flash_attn
+    print(f"flash-attn {flash_attn.__version__}: SDPA and flash_attention_2 will both run")
+except ImportError:
+    print("flash-attn not installed: SDPA only (pip install flash-attn to compare)")
+PY
+extra=()
+if [ -n "${QUICK:-}" ]; then extra+=(--quick); fi
+"$PYTHON" bench/speed.py --gpu --arch "$ARCH" --out "$OUT" "${extra[@]}" "$@"
