@@ -146,10 +146,11 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         loss = (seq * has).sum() / denom
     else:
         raise ValueError(f"aggregate must be token_mean or seq_mean, not {cfg.aggregate!r}")
-    n = mask.sum().clamp(min=1)
-    clipped = mask & (((ratio < 1 - cfg.clip_low) & (adv < 0)) | ((ratio > 1 + cfg.clip_high) & (adv > 0)))
-    stats = {"clip_frac": float(clipped.sum() / n), "kl": float((kl * mask).sum() / n),
-             "ratio_mean": float((ratio * mask).sum() / n), "tokens": int(mask.sum())}
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        clipped = mask & (((ratio < 1 - cfg.clip_low) & (adv < 0)) | ((ratio > 1 + cfg.clip_high) & (adv > 0)))
+        stats = {"clip_frac": float(clipped.sum() / n), "kl": float((kl * mask).sum() / n),
+                 "ratio_mean": float((ratio * mask).sum() / n), "tokens": int(mask.sum())}
     return loss, stats
 
 
@@ -183,7 +184,7 @@ class TrainConfig:
     env: str = "rehearse"            # rehearse (EnvACE) | real (standard GRPO with the environment)
     user_model: str = ""             # simulated user for tau2/vita (a local HF folder); "" = the policy itself
     train_roles: str = "act,world"   # act,world (EnvACE) | act (ablation)
-    steps: int = 60
+    steps: int = 30
     tasks_per_step: int = 8
     group_size: int = 4
     lr: float = -1.0                 # -1: 1e-6 for real models (the paper), 3e-4 for the tiny one
@@ -193,8 +194,8 @@ class TrainConfig:
     micro_batch: int = 8             # rows per forward/backward
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 96
-    max_world_tokens: int = 48
+    max_new_tokens: int = 48         # toy-world turns are ~10 tokens; raise for real benchmarks
+    max_world_tokens: int = 32
     max_turns: int = 8
     max_total_len: int = 2048
     clip_low: float = 0.2
@@ -207,7 +208,7 @@ class TrainConfig:
     act_weight: float = 1.0
     world_weight: float = 1.0
     defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
-    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: 150 for tiny, else 0
+    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: 120 for tiny, else 0
     sft_batch: int = 16
     sft_lr: float = 2e-3
     sft_roles: str = "act,world"
@@ -223,7 +224,7 @@ class TrainConfig:
         if c.lr < 0:
             c.lr = 3e-4 if tiny else 1e-6
         if c.sft_steps < 0:
-            c.sft_steps = 150 if tiny and c.bench == "toyworld" else 0
+            c.sft_steps = 120 if tiny and c.bench == "toyworld" else 0
         return c
 
 
@@ -406,7 +407,7 @@ def policy_gradient(model, batch: Batch, train_roles, lcfg: LossConfig, d: Dist,
         # FSDP averages gradients over ranks; the loss is already normalised globally, so undo the average
         (loss * d.world).backward()
         m = role_mask(roles, train_roles)
-        stats["loss"] += float(loss)
+        stats["loss"] += float(loss.detach())
         stats["tokens"] += st["tokens"]
         stats["clip_frac"] += st["clip_frac"] * st["tokens"]
         stats["kl"] += st["kl"] * st["tokens"]
