@@ -32,6 +32,8 @@ from pathlib import Path
 GROUP_KEYS = ("family", "category", "domain")
 TRAIN_RUN = Path("runs/tiny-toyworld")
 DEFAULT_TOYWORLD_LIMIT = 64
+LIMITS = {"default": {"max_new_tokens": 256, "max_world_tokens": 128, "max_turns": 30, "max_total_len": 16384},
+          "toyworld": {"max_new_tokens": 48, "max_world_tokens": 32, "max_turns": 8, "max_total_len": 2048}}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,10 +97,10 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=256)
-    p.add_argument("--max-world-tokens", type=_int_at_least(1), default=128)
-    p.add_argument("--max-turns", type=_int_at_least(1), default=30)
-    p.add_argument("--max-total-len", type=_int_at_least(16), default=16384)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None, help="default 256 (toyworld 48)")
+    p.add_argument("--max-world-tokens", type=_int_at_least(1), default=None, help="default 128 (toyworld 32)")
+    p.add_argument("--max-turns", type=_int_at_least(1), default=None, help="default 30 (toyworld 8)")
+    p.add_argument("--max-total-len", type=_int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
@@ -299,6 +301,10 @@ def main(argv=None) -> int:
         parser.error(f"--temperature must be > 0 (or pass --greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    limits = LIMITS.get(args.bench, LIMITS["default"])   # toy-world turns are ~10 tokens, real ones far longer
+    for key, value in limits.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     import torch
 
