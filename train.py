@@ -180,6 +180,7 @@ class TrainConfig:
     model: str = "tiny"              # 'tiny' (embedded, built on first use) or a local HF folder
     bench: str = "toyworld"
     split: str = "train"
+    task_opts: str = ""              # extra load_tasks options, "key=value,key=value" (e.g. families=balance)
     out: str = "runs/tiny-toyworld"
     env: str = "rehearse"            # rehearse (EnvACE) | real (standard GRPO with the environment)
     user_model: str = ""             # simulated user for tau2/vita (a local HF folder); "" = the policy itself
@@ -243,13 +244,29 @@ def parse_roles(text: str) -> list[Role]:
     return [ROLE_NAMES[n] for n in names]
 
 
+def parse_task_opts(text: str) -> dict:
+    """'families=balance,send,holdout=pairs' -> {'families': 'balance,send', 'holdout': 'pairs'} (a comma
+    starts a new pair only before 'key='); values that read as JSON (numbers, true/false) are converted."""
+    import re
+    out = {}
+    for part in filter(None, (p.strip() for p in re.split(r",(?=\s*\w+=)", text))):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--task-opts takes key=value pairs separated by commas, got {part!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 def validate(cfg: TrainConfig):
     from bench import BENCHES
     if cfg.bench not in BENCHES:
         raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
     if cfg.env not in ("rehearse", "real"):
         raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
-    parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles)
+    parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
     if cfg.steps < 0:
         raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
     positive = ["tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
@@ -585,7 +602,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     torch.manual_seed(cfg.seed)
 
     bench = load_bench(cfg.bench)
-    tasks = bench.load_tasks(cfg.split)
+    tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts))
     if not tasks:
         raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
     model, tok = policy.load_policy(str(ckpt) if ckpt else cfg.model, dtype=torch.float32, device=d.device)
