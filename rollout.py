@@ -262,7 +262,11 @@ def parse_turn(text: str, tools: list[dict]) -> ParsedTurn:
     body = "".join(kept) + text[pos:]
     items, pieces, pos = [], [], 0
     for start, end in _spans(body, "<tool_call>", "</tool_call>"):
-        pieces.append(body[pos:start])
+        between = body[pos:start]
+        if "</tool_call>" in between:   # e.g. after nested tags: an error, not answer text
+            items.append(CallError("stray_close_tag", "</tool_call> without a matching <tool_call>", between))
+            between = between.replace("</tool_call>", "")
+        pieces.append(between)
         items.append(_parse_call(body[start + len("<tool_call>"):end - len("</tool_call>")].strip(), by_name))
         pos = end
     tail = body[pos:]
