@@ -1,0 +1,344 @@
+"""Reliability: fuzzed model outputs and environment calls, kills and interrupts during training, non-finite
+updates, bad flags and data, resource limits.
+
+Every generator is seeded; the counts tried are printed (pytest -s) and summed up in the README.
+"""
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import policy
+import rehearse
+import rollout
+import train
+from bench import ToolCall
+from rollout import CALL_ERRORS, CallError, parse_turn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def deadline(seconds, what):
+    """Fail (instead of hanging) if the block runs longer than `seconds` (main thread, SIGALRM)."""
+    def boom(signum, frame):
+        raise TimeoutError(f"{what} took more than {seconds}s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ==========================================================================================================
+# Model output fuzzing: the tool-call parser
+
+def _fn(name, required=(), **props):
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+        "type": "object", "properties": {k: {"type": t} for k, t in props.items()}, "required": list(required)}}}
+
+
+TOOLS = [_fn("get_balance", ["account"], account="string"),
+         _fn("transfer", ["src", "dst", "amount"], src="string", dst="string", amount="integer"),
+         _fn("ping"),
+         _fn("查询", ["q"], q="string", limit="integer")]
+REQUIRED = {t["function"]["name"]: t["function"]["parameters"]["required"] for t in TOOLS}
+TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+ALPHABET = "abcXYZ019 _-.,:;'\"\\/{}[]()\n\t€é中文🙂\u200b\x00\x7f"
+
+
+def rand_text(r, n=None, tags=False):
+    """Free text; never a tag unless `tags` (so expectations stay exact)."""
+    n = r.randint(0, 30) if n is None else n
+    s = "".join(r.choice(ALPHABET) for _ in range(n))
+    if tags:
+        return s
+    for t in TAGS:
+        s = s.replace(t, "")
+    return s.replace("<", "(")
+
+
+def rand_value(r, depth=0):
+    kind = r.randrange(9 if depth < 3 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return r.random() < 0.5
+    if kind == 2:
+        return r.choice([0, -1, 7, 2 ** 63, -(10 ** 30), r.randint(-10 ** 6, 10 ** 6)])
+    if kind == 3:
+        return r.choice([0.5, -1e-300, 1e300, 3.141592653589793, r.uniform(-1e6, 1e6)])
+    if kind in (4, 5):
+        return rand_text(r)
+    if kind == 6:
+        return [rand_value(r, depth + 1) for _ in range(r.randint(0, 4))]
+    return {rand_text(r, r.randint(0, 6)): rand_value(r, depth + 1) for _ in range(r.randint(0, 4))}
+
+
+def canon(x):
+    """Type-exact comparison key (1, 1.0 and True differ)."""
+    return json.dumps(x, sort_keys=True, ensure_ascii=True)
+
+
+def dump(r, obj):
+    seps = r.choice([(",", ":"), (", ", ": "), (" ,", " : ")])
+    return json.dumps(obj, ensure_ascii=r.random() < 0.5, indent=r.choice([None, None, 1, 4]), separators=seps)
+
+
+def good_call(r):
+    """(name, arguments, JSON body) of a well-formed call in one of the accepted spellings."""
+    name = r.choice(list(REQUIRED))
+    args = {k: rand_value(r) for k in REQUIRED[name]}
+    for _ in range(r.randint(0, 3)):
+        args[rand_text(r, r.randint(1, 8))] = rand_value(r)
+    style = r.randrange(4)
+    if style == 0:
+        body = {"name": name, "arguments": args}
+    elif style == 1:
+        body = {"name": name, "arguments": json.dumps(args, ensure_ascii=r.random() < 0.5)}   # OpenAI style
+    elif style == 2:
+        body = {"name": name, "parameters": args}
+    else:
+        body = {"arguments": args, "name": name, "id": "call_1"}
+    if not args and not REQUIRED[name] and r.random() < 0.3:
+        body = {"name": name}
+    return name, args, dump(r, body)
+
+
+def wrap(body, r):
+    ws = lambda: r.choice(["", "\n", " ", "\n\n", "\t"])  # noqa: E731
+    return f"<tool_call>{ws()}{body}{ws()}</tool_call>"
+
+
+def bad_call(r):
+    """(expected CallError kinds, tag-wrapped text[, text left over as content]) of one malformed call."""
+    name, args, body = good_call(r)
+    k = r.randrange(16)
+    if k == 0:      # truncated JSON
+        compact = json.dumps({"name": name, "arguments": args})
+        return {"malformed_json"}, wrap(compact[:r.randrange(1, len(compact))], r)
+    if k == 1:      # random bytes
+        junk = bytes(r.randrange(256) for _ in range(r.randint(1, 60))).decode("latin-1")
+        junk = junk.replace("<", "(")
+        return {"malformed_json", "not_an_object"}, wrap(junk, r)
+    if k == 2:      # a JSON value that is not an object
+        return {"not_an_object"}, wrap(json.dumps(r.choice([[1, 2], "get_balance", 3, None, True, [{"name": name}]])), r)
+    if k == 3:      # no name / a name that is not a non-empty string
+        obj = {"arguments": args} if r.random() < 0.5 else {"name": r.choice([None, 3, ["get_balance"], "", {}]),
+                                                             "arguments": args}
+        return {"missing_name"}, wrap(json.dumps(obj), r)
+    if k == 4:      # arguments of the wrong type
+        bad = r.choice([[1], 3, True, "not json {", json.dumps([1, 2]), json.dumps("x"), None, 1.5])
+        return {"bad_arguments"}, wrap(json.dumps({"name": name, "arguments": bad}), r)
+    if k == 5:      # a tool that does not exist (near misses included)
+        other = r.choice(["Get_balance", "get_balance ", "get-balance", "transfer2", "查", "rm -rf", rand_text(r, 5) + "x"])
+        return {"unknown_tool"}, wrap(json.dumps({"name": other, "arguments": args}), r)
+    if k == 6:      # a required argument left out
+        name = r.choice(["get_balance", "transfer", "查询"])
+        args = {p: 1 for p in REQUIRED[name][:-1]}
+        return {"missing_arguments"}, wrap(json.dumps({"name": name, "arguments": args}), r)
+    if k == 7:      # duplicate keys: which one did the model mean?
+        if r.random() < 0.5:
+            text = '{"name": "ping", "name": "get_balance", "arguments": {"account": "a"}}'
+        else:
+            text = '{"name": "get_balance", "arguments": {"account": "a", "account": "b"}}'
+        return {"malformed_json"}, wrap(text, r)
+    if k == 8:      # Python's non-JSON numbers
+        lit = r.choice(["NaN", "Infinity", "-Infinity", "1e999", "-1e400"])
+        return {"malformed_json"}, wrap('{"name": "transfer", "arguments": {"src": "a", "dst": "b", "amount": %s}}' % lit, r)
+    if k == 9:      # nesting far deeper than any decoder's recursion
+        n = r.choice([2000, 50000])
+        return {"malformed_json"}, wrap('{"name": "ping", "arguments": {"x": ' + "[" * n + "]" * n + "}}", r)
+    if k == 10:     # an unpaired surrogate escape (not Unicode; echoed back it breaks the tokenizer)
+        return {"malformed_json"}, wrap('{"name": "get_balance", "arguments": {"account": "a\\udc80"}}', r)
+    if k == 11:     # an integer past Python's int-string limit
+        return {"malformed_json"}, wrap('{"name": "transfer", "arguments": {"src": "a", "dst": "b", "amount": %s}}'
+                                        % ("9" * 5000), r)
+    if k == 12:     # two calls in one tag
+        return {"malformed_json"}, wrap(body + body, r)
+    if k == 13:     # the closing tag inside a string value cuts the call short
+        return {"malformed_json"}, '<tool_call>{"name": "get_balance", "arguments": {"account": "x</tool_call>"}}', '"}}'
+    if k == 14:     # arguments given as a JSON string that is itself malformed / not an object
+        return {"bad_arguments"}, wrap(json.dumps({"name": name, "arguments": r.choice(['{"a": ', "[]", "NaN", "1"])}), r)
+    return {"malformed_json"}, wrap("", r)   # empty
+
+
+def gen_turn(r):
+    """A generated assistant turn and what the parser must make of it: [(kind set | (name, args))], content."""
+    expect, parts, content = [], [], []
+    if r.random() < 0.3:   # thinking, with a call inside that must be ignored
+        _, _, body = good_call(r)
+        parts.append(f"<think>{rand_text(r)}{wrap(body, r)}{rand_text(r)}</think>")
+    for _ in range(r.randint(0, 4)):
+        t = rand_text(r)
+        parts.append(t)
+        content.append(t)
+        if r.random() < 0.5:
+            name, args, body = good_call(r)
+            parts.append(wrap(body, r))
+            expect.append((name, args))
+        else:
+            kinds, text, *extra = bad_call(r)
+            parts.append(text)
+            expect.append(kinds)
+            content += extra
+    tail = rand_text(r) + r.choice(["", " Final answer: 42. <|im_end|> more text after the answer", "\x00"])
+    parts.append(tail)
+    content.append(tail)
+    return "".join(parts), expect, "".join(content).strip()
+
+
+def check_items(items, tools):
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    for it in items:
+        assert isinstance(it, (ToolCall, CallError)), it
+        if isinstance(it, CallError):
+            assert it.kind in CALL_ERRORS and it.message
+            json.loads(it.observation())
+        else:
+            assert it.name in by_name and isinstance(it.arguments, dict)
+            assert all(p in it.arguments for p in by_name[it.name]["parameters"].get("required", []))
+
+
+def test_parser_on_generated_turns_round_trips_and_types_every_error():
+    r = random.Random(1234)
+    n_turns = n_good = n_bad = 0
+    t0 = time.perf_counter()
+    with deadline(30, "parsing the generated turns"):
+        for _ in range(2500):
+            text, expect, content = gen_turn(r)
+            parsed = parse_turn(text, TOOLS)
+            check_items(parsed.items, TOOLS)
+            assert len(parsed.items) == len(expect), (text, parsed.items)
+            for got, want in zip(parsed.items, expect):
+                if isinstance(want, tuple):            # well-formed: exactly its name and arguments
+                    assert isinstance(got, ToolCall), (text, got)
+                    assert got.name == want[0] and canon(got.arguments) == canon(want[1]), (text, got)
+                    n_good += 1
+                else:
+                    assert isinstance(got, CallError) and got.kind in want, (text, got)
+                    n_bad += 1
+            assert parsed.content == content, text
+            n_turns += 1
+    print(f"\nparser: {n_turns} turns, {n_good} well-formed calls round-tripped, {n_bad} malformed calls typed, "
+          f"{time.perf_counter() - t0:.1f}s")
+
+
+_OLD_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OLD_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def test_parser_on_random_soup_is_total_and_never_invents_a_call():
+    """Random bytes, unicode and tag fragments: typed items only, and every ToolCall is literally in the text."""
+    r = random.Random(99)
+    frags = list(TAGS) + ['{"name": "ping"}', '{"name": "get_balance", "arguments": {"account": "a"}}',
+                          '{"name": ', '"arguments": {', "}", "{", '"', "\\", "\n", "<|im_end|>", "NaN"]
+    n = 0
+    with deadline(20, "parsing random soup"):
+        for i in range(2000):
+            if i % 4 == 0:
+                text = bytes(r.randrange(256) for _ in range(r.randint(0, 300))).decode("utf-8", errors="replace")
+            elif i % 4 == 1:
+                text = "".join(chr(r.choice([r.randrange(32, 127), r.randrange(0x80, 0x2FFF), r.randrange(0x1F300, 0x1F6FF)]))
+                               for _ in range(r.randint(0, 200)))
+            else:
+                text = "".join(r.choice(frags) if r.random() < 0.6 else rand_text(r, 5, tags=True)
+                               for _ in range(r.randint(0, 40)))
+            parsed = parse_turn(text, TOOLS)
+            check_items(parsed.items, TOOLS)
+            segments = [m.group(1) for m in _OLD_CALL.finditer(_OLD_THINK.sub("", text))]
+            for call in parsed.calls:
+                found = False
+                for seg in segments:
+                    try:
+                        obj = json.loads(seg)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict) and obj.get("name") == call.name:
+                        a = obj.get("arguments", obj.get("parameters", {}))
+                        a = json.loads(a) if isinstance(a, str) and a.strip() else ({} if isinstance(a, str) else a)
+                        found = found or canon(a) == canon(call.arguments)
+                assert found, (text, call)
+            n += 1
+    print(f"\nparser: {n} random-soup turns")
+
+
+def test_parser_is_linear_on_degenerate_repetition():
+    for piece in ("<tool_call>", "<think>", '<tool_call>{"name": ', "</tool_call>", "<think><tool_call>"):
+        with deadline(2, f"parsing 20000 x {piece!r}"):
+            parsed = parse_turn(piece * 20000, TOOLS)
+        check_items(parsed.items, TOOLS)
+    big = "x" * 2_000_000   # a huge argument is still a call, exactly
+    parsed = parse_turn(wrap(json.dumps({"name": "get_balance", "arguments": {"account": big}}), random.Random(0)), TOOLS)
+    assert parsed.calls[0].arguments == {"account": big}
+
+
+def test_stray_closing_tag_between_calls_is_an_error_not_content():
+    good = '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+    for text in (f"a</tool_call>b{good}", f"{good}x</tool_call>{good}", f"<tool_call><tool_call>{{}}</tool_call></tool_call>{good}"):
+        parsed = parse_turn(text, TOOLS)
+        assert "</tool_call>" not in parsed.content
+        assert any(isinstance(i, CallError) and i.kind == "stray_close_tag" for i in parsed.items), parsed.items
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rehearsal validator
+
+OBS_END = "\n</tool_response>"
+
+
+def test_rehearsal_validator_on_generated_responses():
+    r = random.Random(7)
+    stop = rehearse.world_stop_text(OBS_END)
+    n = 0
+    with deadline(20, "validating generated rehearsals"):
+        for i in range(2500):
+            k = i % 6
+            if k == 0:
+                payload = json.dumps(rand_value(r), ensure_ascii=r.random() < 0.5)
+            elif k == 1:
+                s = json.dumps({"balance": rand_value(r)})
+                payload = s[:r.randrange(1, len(s))]
+            elif k == 2:
+                payload = bytes(r.randrange(256) for _ in range(r.randint(0, 80))).decode("utf-8", "replace")
+            elif k == 3:
+                payload = "[" * r.choice([10, 5000, 100000])
+            elif k == 4:
+                payload = r.choice(["", " ", "\n\n", "NaN", '{"a": 1} trailing', '{"a": 1}{"b": 2}', "null"])
+            else:
+                payload = rand_text(r, 40, tags=True)
+            payload = payload.replace(stop, "")
+            terminated = r.random() < 0.7
+            generated = payload + (OBS_END if terminated else "")
+            check = rehearse.parse_rehearsal(generated, OBS_END, terminated)
+            assert set(check.defects) <= set(rehearse.REHEARSAL_DEFECTS)
+            if terminated:
+                assert check.text == payload, (generated, check.text)
+            assert ("unterminated" in check.defects) == (not terminated)
+            assert ("empty" in check.defects) == (not check.text.strip())
+            try:
+                json.loads(check.text)
+                valid = True
+            except (ValueError, RecursionError):
+                valid = False
+            assert ("invalid_json" in check.defects) == (bool(check.text.strip()) and not valid), check.text[:80]
+            rehearse.fidelity(check.text, '{"balance": 3}')      # the probe's comparison is total too
+            n += 1
+    print(f"\nrehearsal validator: {n} generated responses")
