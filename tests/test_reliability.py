@@ -342,3 +342,67 @@ def test_rehearsal_validator_on_generated_responses():
             rehearse.fidelity(check.text, '{"balance": 3}')      # the probe's comparison is total too
             n += 1
     print(f"\nrehearsal validator: {n} generated responses")
+
+
+# ==========================================================================================================
+# Benchmark environments: random-typed arguments are an error observation, never an exception
+
+FINMCP_FIXTURE = ROOT / "tests" / "fixtures" / "finmcp_synthetic.json"
+
+
+def _env_sets():
+    from bench import finmcp, toyworld, vita
+    sets = [("toyworld", toyworld.load_tasks("test", limit=4), toyworld.make_env),
+            ("finmcp", finmcp.load_tasks("test", data=FINMCP_FIXTURE), finmcp.make_env)]
+    if vita.DEFAULT_DATA.is_dir():
+        sets.append(("vita", vita.load_tasks("test", domain="delivery", lang="en", limit=2)
+                     + vita.load_tasks("test", domain="instore", limit=2), vita.make_env))
+    if importlib.util.find_spec("bfcl_eval") is not None:
+        from bench import bfcl
+        sets.append(("bfcl", bfcl.load_tasks("test", limit=2, categories=["multi_turn_base", "multi_turn_long_context"]),
+                     bfcl.make_env))
+    if importlib.util.find_spec("tau2") is not None:
+        from bench import tau2
+        sets.append(("tau2", [tau2.load_tasks("test", domain=d, limit=1)[0] for d in tau2.DOMAINS], tau2.make_env))
+    return sets
+
+
+def _wrong_type(r, schema):
+    """A value whose JSON type is not the parameter's."""
+    kind = schema.get("type")
+    pool = {"string": [[1], {"a": 1}, 3, True, 2.5], "integer": ["x", [1], {"a": 1}, 2.5, True],
+            "number": ["x", [1], {}, True], "boolean": ["yes", [1], {}, 3], "array": ["x", 3, {"a": 1}, True],
+            "object": ["x", 3, [1], True]}
+    return r.choice(pool.get(kind, ["x", 3, [1], {}]))
+
+
+def test_environments_turn_random_typed_arguments_into_error_observations():
+    r = random.Random(5)
+    counts = {}
+    for label, tasks, make_env in _env_sets():
+        n = 0
+        for task in tasks:
+            env = make_env(task)
+            for tool in task.tools + [_fn("no_such_tool_zz", ["x"], x="string")]:
+                fn = tool["function"]
+                props = fn["parameters"].get("properties") or {}
+                cases = [{}, {rand_text(r, 6) or "k": rand_value(r)}]
+                cases += [{k: rand_value(r) for k in props} for _ in range(6)]
+                typed = [k for k, v in props.items() if v.get("type") in ("string", "integer", "number", "boolean",
+                                                                         "array", "object")]
+                wrong = []
+                for k in typed:
+                    a = {p: 1 for p in props}
+                    a[k] = _wrong_type(r, props[k])
+                    wrong.append(a)
+                for args in cases + wrong:
+                    with deadline(5, f"{label} {fn['name']}({args})"):
+                        obs = env.step(fn["name"], copy.deepcopy(args))
+                    assert isinstance(obs, str), (label, fn["name"], args, obs)
+                    obs.encode("utf-8")      # the engine tokenizes it next
+                    if label == "tau2" and (args in wrong or fn["name"] == "no_such_tool_zz"):
+                        assert obs.startswith("Error"), (fn["name"], args, obs)
+                    n += 1
+        counts[label] = n
+    assert {"toyworld", "finmcp"} <= set(counts)
+    print(f"\nenvironments: {counts} calls with random, missing, extra and wrong-typed arguments")
