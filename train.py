@@ -526,18 +526,19 @@ def read_state(ckpt: Path) -> dict:
 
 class MetricsLog:
     """One JSON object per line, flushed and fsynced per record, so a killed run never leaves a torn line.
-    On resume, records after the checkpoint's step (and any torn tail) are dropped first."""
+    On resume from checkpoint step_N (N steps done: 0..N-1), records of steps >= N (written after that
+    checkpoint by the killed process, and re-run now) and any torn tail are dropped first."""
 
-    def __init__(self, path: Path, keep_through_step: int | None = None):
+    def __init__(self, path: Path, keep_before_step: int | None = None):
         self.path = path
-        if keep_through_step is not None and path.exists():
+        if keep_before_step is not None and path.exists():
             kept = []
             for line in path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
                     break
-                if rec.get("step", -1) <= keep_through_step:
+                if rec.get("step", -1) < keep_before_step:
                     kept.append(line)
             write_atomic(path, "".join(k + "\n" for k in kept))
         self.f = open(path, "a")
@@ -598,7 +599,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             shutil.rmtree(run)
         (run / "ckpt").mkdir(parents=True, exist_ok=True)
         write_atomic(run / "config.json", json.dumps(asdict(cfg), indent=1))
-    metrics = MetricsLog(run / "metrics.jsonl", keep_through_step=start_step if resume else None) if d.main else None
+    metrics = MetricsLog(run / "metrics.jsonl", keep_before_step=start_step if resume else None) if d.main else None
     samples = open(run / "samples.jsonl", "a") if d.main else None
 
     lcfg = LossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
