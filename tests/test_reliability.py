@@ -406,3 +406,129 @@ def test_environments_turn_random_typed_arguments_into_error_observations():
         counts[label] = n
     assert {"toyworld", "finmcp"} <= set(counts)
     print(f"\nenvironments: {counts} calls with random, missing, extra and wrong-typed arguments")
+
+
+# ==========================================================================================================
+# Crash safety: SIGKILL at random points, resume, compare with an uninterrupted run; Ctrl-C
+
+def run_train(args):
+    """train.main in this process: exit code and stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = train.main(args)
+        except SystemExit as exc:      # argparse errors
+            code = exc.code
+    return types.SimpleNamespace(returncode=code, stderr=err.getvalue())
+
+
+def tiny_args(micro_path, out, sft=4, steps=2, extra=()):
+    return ["--model", str(micro_path), "--out", str(out), "--sft-steps", str(sft), "--steps", str(steps),
+            "--sft-batch", "4", "--tasks-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
+            "--max-world-tokens", "8", "--max-turns", "2", "--lr", "1e-3", "--save-every", "1", *extra]
+
+
+def metrics_of(run):
+    lines = (Path(run) / "metrics.jsonl").read_text().splitlines() if (Path(run) / "metrics.jsonl").exists() else []
+    return [json.loads(x) for x in lines]        # a torn line fails here
+
+
+def check_checkpoints(run):
+    """Every visible checkpoint is complete and loadable; `latest` names one; returns the latest step."""
+    from safetensors.torch import load_file
+    steps = []
+    for d in sorted((Path(run) / "ckpt").glob("step_*")):
+        state = json.loads((d / "state.json").read_text())
+        assert state["step"] == int(d.name.split("_")[1]), d
+        json.loads((d / "config.json").read_text())
+        load_file(str(d / "model.safetensors"))
+        torch.load(d / "optim_rank0.pt", weights_only=False)
+        steps.append(state["step"])
+    if not (Path(run) / "latest").exists():
+        return 0
+    latest = train.latest_checkpoint(Path(run))
+    step = json.loads((latest / "state.json").read_text())["step"]
+    assert step in steps and step >= max(steps) - 1, (step, steps)   # at most the step being published
+    return step
+
+
+def spawn(args):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_lines(run, n, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout and proc.poll() is None:
+        try:
+            if len((Path(run) / "metrics.jsonl").read_text().splitlines()) >= n:
+                return True
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_sigkill_at_random_points_then_resume_matches_the_uninterrupted_run(micro_path, tmp_path):
+    full, run = tmp_path / "full", tmp_path / "killed"
+    total = 5
+    assert run_train(tiny_args(micro_path, full, sft=4, steps=1)).returncode == 0
+    r = random.Random(2024)
+    kills = 0
+    for _ in range(3):
+        resume = (run / "latest").exists()
+        before = len(metrics_of(run))
+        proc = spawn(["--resume", str(run)] if resume else tiny_args(micro_path, run, sft=4, steps=1,
+                                                                      extra=["--overwrite"]))
+        # let this process reach training (its first new metrics line), then kill at a random moment
+        wait_for_lines(run, (before if resume else 0) + 1 - (1 if resume and before >= total else 0), proc)
+        time.sleep(r.uniform(0.0, 1.5))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        proc.stdout.close(), proc.stderr.close()
+        step = check_checkpoints(run)
+        recs = metrics_of(run)
+        assert [x["step"] for x in recs] == list(range(len(recs))), [x["step"] for x in recs]
+        assert len(recs) >= step
+        if step >= total:
+            break
+    res = run_train(["--resume", str(run)])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert check_checkpoints(run) == total
+    a, b = metrics_of(full), metrics_of(run)
+    assert [x["step"] for x in b] == list(range(total))
+    for ra, rb in zip(a, b):
+        for key in ("loss", "reward_mean", "act_tokens", "world_tokens", "grad_norm", "tokens"):
+            if key in ra:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    from safetensors.torch import load_file
+    pa = load_file(str(full / "ckpt" / f"step_{total:06d}" / "model.safetensors"))
+    pb = load_file(str(run / "ckpt" / f"step_{total:06d}" / "model.safetensors"))
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=0)
+    assert kills >= 3
+    print(f"\ncrash safety: {kills} SIGKILLs, resumed to step {total}, params and metrics equal the uninterrupted run")
+
+
+def test_metrics_log_on_resume_keeps_only_steps_the_checkpoint_holds(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(5)) + '{"step": 5, "lo')
+    train.MetricsLog(path, keep_before_step=3).write({"step": 3})   # checkpoint step_3 = steps 0..2 done
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_ctrl_c_saves_a_checkpoint_at_the_step_reached_and_exits_0(micro_path, tmp_path):
+    run = tmp_path / "int"
+    proc = spawn(tiny_args(micro_path, run, sft=200, steps=1))
+    assert wait_for_lines(run, 2, proc), "training did not start"
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "interrupt" in err
+    recs = metrics_of(run)
+    assert check_checkpoints(run) == len(recs) < 200
+    assert (run / "latest").read_text().strip() == f"ckpt/step_{len(recs):06d}"
