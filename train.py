@@ -71,7 +71,9 @@ def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_
                                     temperature, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(h[s:s + chunk_size], weight, targets[s:s + chunk_size], temperature))
-    flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.promote_types(h.dtype, torch.float32))
+    # no trained position in this batch: an empty result that is still part of the graph, so backward()
+    # works (zero gradients) instead of failing with "does not require grad"
+    flat = torch.cat(parts) if parts else _chunk_logprobs(h, weight, targets, temperature)
     out = torch.zeros(predict.shape, dtype=flat.dtype, device=ids.device).masked_scatter(predict, flat)
     return F.pad(out, (1, 0))
 
