@@ -532,3 +532,82 @@ def test_ctrl_c_saves_a_checkpoint_at_the_step_reached_and_exits_0(micro_path, t
     recs = metrics_of(run)
     assert check_checkpoints(run) == len(recs) < 200
     assert (run / "latest").read_text().strip() == f"ckpt/step_{len(recs):06d}"
+
+
+# ==========================================================================================================
+# Numerical safety: non-finite steps are skipped, counted, logged, and stop the run if they repeat
+
+def params_at(run, step):
+    from safetensors.torch import load_file
+    return load_file(str(Path(run) / "ckpt" / f"step_{step:06d}" / "model.safetensors"))
+
+
+def same_params(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def varied_rewards(monkeypatch):
+    """Rewards 1, 0, 1, 0, ... so GRPO groups are not flat and the loss is computed."""
+    import reward
+    from bench import Score
+    counter = [0]
+
+    def fake(bench, task, traj, defects, penalty):
+        counter[0] += 1
+        return Score(reward=float(counter[0] % 2))
+    monkeypatch.setattr(reward, "trajectory_reward", fake)
+
+
+def test_a_nan_loss_skips_that_update_only(micro_path, tmp_path, monkeypatch, varied_rewards):
+    orig, calls = train.grpo_loss, [0]
+
+    def nan_on_step_1(*a, **kw):
+        loss, st = orig(*a, **kw)
+        calls[0] += 1
+        return (loss * float("nan"), st) if calls[0] == 2 else (loss, st)   # one micro-batch per step
+    monkeypatch.setattr(train, "grpo_loss", nan_on_step_1)
+    run = tmp_path / "nan"
+    res = run_train(tiny_args(micro_path, run, sft=0, steps=3, extra=["--micro-batch", "8"]))
+    assert res.returncode == 0, res.stderr
+    recs = metrics_of(run)
+    assert [x["skipped_update"] for x in recs] == [False, True, False]
+    assert "step 1: non-finite loss or gradient; update skipped (1 in a row)" in res.stderr
+    assert same_params(params_at(run, 1), params_at(run, 2))          # the skipped step changed nothing
+    assert not same_params(params_at(run, 2), params_at(run, 3))      # the next one trains again
+
+
+def test_repeated_non_finite_steps_stop_the_run_with_exit_1(micro_path, tmp_path):
+    run = tmp_path / "blowup"     # lr 1e30: the first update makes the weights huge, every later loss NaN
+    res = run_train(tiny_args(micro_path, run, sft=6, steps=1, extra=["--sft-lr", "1e30", "--max-bad-steps", "2"]))
+    assert res.returncode == 1, res.stderr
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "2 consecutive steps" in errors[0] and "--lr" in errors[0], res.stderr
+    recs = metrics_of(run)
+    assert [x["skipped_update"] for x in recs][-2:] == [True, True] and len(recs) < 7
+
+
+def test_flat_reward_groups_train_nothing_and_are_counted(micro_path, tmp_path):
+    run = tmp_path / "flat"       # the untrained micro model never solves a task: every group is all-0
+    res = run_train(tiny_args(micro_path, run, sft=0, steps=2))
+    assert res.returncode == 0, res.stderr
+    recs = metrics_of(run)
+    assert all(x["flat_groups"] == 2 and x["loss"] == 0 and not x["skipped_update"] for x in recs)
+    assert same_params(params_at(run, 1), params_at(run, 2))
+
+
+def test_no_trained_token_is_a_zero_gradient_not_a_crash(micro64):
+    from rollout import Role
+    model, _ = micro64
+    ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(0))
+    roles = torch.full((2, 10), int(Role.ACT))
+    roles[:, :3] = Role.PROMPT
+    model.zero_grad()
+    batch = train.Batch(ids, roles, torch.zeros(2, 10, dtype=torch.float64), torch.ones(2, 10, dtype=torch.float64))
+    st = train.policy_gradient(model, batch, [Role.WORLD], train.LossConfig(), train.Dist(), 8, 1.0, 64)
+    assert st["loss"] == 0 and st["tokens"] == 0
+    loss, n = train.sft_loss(model, [(ids[0].tolist(), roles[0].tolist())], [Role.WORLD], train.Dist(), 0, 64)
+    assert loss == 0 and n == 0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    adv, flat = train.group_advantages(torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 0, 1]))
+    assert flat == 2 and torch.equal(adv, torch.zeros(3))
