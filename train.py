@@ -572,6 +572,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         if state.get("world_size", 1) != d.world:
             raise CheckpointError(f"{ckpt} was written by {state.get('world_size')} processes; resume it with "
                                   f"the same --nproc_per_node (got {d.world})")
+    elif run.exists() and not run.is_dir():
+        raise ConfigError(f"--out {run} exists and is not a folder; pass a folder path for the run")
     elif run.exists() and any(run.iterdir()) and not cfg.overwrite:
         raise ConfigError(f"run folder {run} already exists; use --resume {run} to continue it, --out for a new "
                           "one, or --overwrite to replace it")
@@ -738,9 +740,15 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
 # CLI
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr (not the 20-line usage), exit 2
+        sys.stderr.write(f"train.py: error: {' '.join(str(message).split())} (see python train.py --help)\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="EnvACE GRPO training (rehearsal by default).",
-                                 argument_default=argparse.SUPPRESS)
+    ap = _Parser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
+                 argument_default=argparse.SUPPRESS)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -760,9 +768,16 @@ def main(argv=None) -> int:
     try:
         if resume is not None:
             run = Path(resume)
-            saved = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else None
+            try:
+                saved = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else None
+            except ValueError as exc:
+                raise CheckpointError(f"{run / 'config.json'} is corrupt ({exc}); start a new run with --out") from exc
             if saved is None:
                 raise CheckpointError(f"{run} has no config.json: not a training run folder")
+            unknown = sorted(set(saved) - {f.name for f in fields(TrainConfig)}) if isinstance(saved, dict) else []
+            if not isinstance(saved, dict) or unknown:
+                raise CheckpointError(f"{run / 'config.json'} is not a config this train.py wrote (unknown fields: "
+                                      f"{', '.join(unknown) or 'not an object'}); start a new run with --out")
             cfg = TrainConfig(**{**saved, **args, "out": str(run)})
         else:
             cfg = TrainConfig(**args)
