@@ -792,6 +792,12 @@ def main(argv=None) -> int:
     except FloatingPointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except torch.OutOfMemoryError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+        print(f"error: out of device memory ({first[:160]}); reduce --micro-batch (rows per forward/backward), "
+              "--group-size, --max-new-tokens, --max-total-len or --chunk-size (log-prob positions per LM-head "
+              "chunk), then --resume the run", file=sys.stderr)
+        return 1
     print(f"run saved in {run} (latest checkpoint: {(run / 'latest').read_text().strip()})")
     return 0
 
