@@ -611,3 +611,168 @@ def test_no_trained_token_is_a_zero_gradient_not_a_crash(micro64):
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     adv, flat = train.group_advantages(torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 0, 1]))
     assert flat == 2 and torch.equal(adv, torch.zeros(3))
+
+
+# ==========================================================================================================
+# Bad CLI values and data: one clear line, exit 2, nothing written or overwritten
+
+def error_lines(stderr):
+    return [l for l in stderr.splitlines() if l.strip() and "Loading weights" not in l and "it/s]" not in l]
+
+
+TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfig field is covered
+    (["--model", "/nonexistent/model"], "does not exist"), (["--bench", "nope"], "unknown --bench"),
+    (["--split", "nosplit"], "nosplit"), (["--env", "sim"], "--env"), (["--train-roles", ""], "roles"),
+    (["--train-roles", "act,dream"], "roles"), (["--sft-roles", "x"], "roles"),
+    (["--aggregate", "sum"], "--aggregate"), (["--steps", "0"], "--steps"), (["--steps", "2.5"], "invalid int"),
+    (["--tasks-per-step", "-1"], "--tasks-per-step"), (["--group-size", "0"], "--group-size"),
+    (["--group-size", "x"], "invalid int"), (["--micro-batch", "0"], "--micro-batch"),
+    (["--updates-per-batch", "0"], "--updates-per-batch"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-world-tokens", "-3"], "--max-world-tokens"), (["--max-turns", "0"], "--max-turns"),
+    (["--max-total-len", "0"], "--max-total-len"), (["--sft-batch", "0"], "--sft-batch"),
+    (["--sft-steps", "x"], "invalid int"), (["--save-every", "0"], "--save-every"),
+    (["--chunk-size", "0"], "--chunk-size"), (["--max-bad-steps", "0"], "--max-bad-steps"),
+    (["--seed", "1.5"], "invalid int"), (["--lr", "nan"], "--lr"), (["--lr", "-5"], "--lr"),
+    (["--lr", "abc"], "invalid float"), (["--sft-lr", "0"], "--sft-lr"), (["--grad-clip", "inf"], "--grad-clip"),
+    (["--clip-low", "-0.1"], "--clip-low"), (["--clip-high", "nan"], "--clip-high"),
+    (["--temperature", "0"], "--temperature"), (["--top-p", "1.5"], "--top-p"), (["--top-p", "0"], "--top-p"),
+    (["--dual-clip", "0.5"], "--dual-clip"), (["--kl-coef", "-1"], "--kl-coef"),
+    (["--defect-penalty", "nan"], "--defect-penalty"), (["--weight-decay", "-1"], "--weight-decay"),
+    (["--act-weight", "-1"], "--act-weight"), (["--world-weight", "inf"], "--world-weight"),
+    (["--overwrite=yes"], "--overwrite"), (["--scale-std=no"], "--scale-std"), (["--per-role-adv", "1"], "unrecognized"),
+    (["--no-such-flag"], "unrecognized"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", TRAIN_BAD, ids=[" ".join(a) or "empty" for a, _ in TRAIN_BAD])
+def test_train_bad_flag_is_one_line_exit_2_and_writes_nothing(argv, needle, micro_path, tmp_path):
+    out = tmp_path / "run"
+    base = ["--out", str(out), "--model", str(micro_path), "--steps", "1", "--sft-steps", "0", "--tasks-per-step", "1",
+            "--group-size", "1", "--max-new-tokens", "2"]       # tiny if a case were (wrongly) accepted
+    res = run_train(base + argv)
+    lines = error_lines(res.stderr)
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (argv, res.stderr)
+    assert "error" in lines[0] and (needle is None or needle in lines[0]), lines
+    assert not out.exists()
+
+
+def _copy_model(src, dst, edit=None):
+    shutil.copytree(src, dst)
+    if edit:
+        edit(Path(dst))
+    return dst
+
+
+def _tokenizer_config(path, change):
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    change(cfg)
+    cfg_path.write_text(json.dumps(cfg))
+    for f in path.glob("chat_template.*"):
+        f.unlink()
+
+
+def bad_models(micro_path, tmp_path):
+    tpl = policy.CHAT_TEMPLATE
+    return [
+        (tmp_path / "nothing", "does not exist"),
+        (_copy_model(micro_path, tmp_path / "empty", lambda p: [f.unlink() for f in p.iterdir()]), "incomplete"),
+        (_copy_model(micro_path, tmp_path / "badcfg", lambda p: (p / "config.json").write_text("{oops")), "cannot load"),
+        (_copy_model(micro_path, tmp_path / "badweights",
+                     lambda p: (p / "model.safetensors").write_bytes(b"\0" * 100)), "cannot load model weights"),
+        (_copy_model(micro_path, tmp_path / "badtok", lambda p: (p / "tokenizer.json").write_text("[")), "tokenizer"),
+        (_copy_model(micro_path, tmp_path / "notemplate",
+                     lambda p: _tokenizer_config(p, lambda c: c.pop("chat_template", None))), "no chat template"),
+        (_copy_model(micro_path, tmp_path / "notappend",   # the system turn shows how many messages follow
+                     lambda p: _tokenizer_config(p, lambda c: c.__setitem__(
+                         "chat_template", "{{- messages | length }}" + tpl))), "append-only"),
+        (_copy_model(micro_path, tmp_path / "noeos",
+                     lambda p: _tokenizer_config(p, lambda c: c.__setitem__("chat_template", tpl.replace(
+                         "'<|im_end|>\\n' }}\n{%- elif message.role == 'tool'", "'\\n' }}\n{%- elif message.role == 'tool'")))),
+         "eos"),
+    ]
+
+
+def test_broken_model_folders_are_one_line_exit_2_and_never_touch_an_existing_run(micro_path, tmp_path, capsys):
+    import evaluate
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "metrics.jsonl").write_text('{"step": 0}\n')
+    for model, needle in bad_models(micro_path, tmp_path):
+        res = run_train(["--model", str(model), "--out", str(existing), "--overwrite"])
+        lines = error_lines(res.stderr)
+        assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], (model.name, res.stderr)
+        assert (existing / "metrics.jsonl").read_text() == '{"step": 0}\n'      # --overwrite: not before loading
+        with pytest.raises(SystemExit) as exc:
+            evaluate.main(["--model", str(model), "--limit", "1", "--out", str(tmp_path / "ev")])
+        err = capsys.readouterr().err
+        lines = error_lines(err)
+        assert exc.value.code == 2 and len(lines) == 1 and needle in lines[0], (model.name, err)
+        assert not (tmp_path / "ev").exists()
+
+
+EVAL_BAD = [
+    (["--limit", "0"], "--limit"), (["--num-trials", "x"], "--num-trials"), (["--rehearsal-budget", "-1"], "budget"),
+    (["--rehearsal-mode", "beam"], "--rehearsal-mode"), (["--compare", ""], "--compare"), (["--compare", "1,-2"], "--compare"),
+    (["--temperature", "0"], "--temperature"), (["--temperature", "hot"], "--temperature"), (["--top-p", "2"], "--top-p"),
+    (["--seed", "x"], "--seed"), (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-world-tokens", "0"], "--max-world-tokens"),
+    (["--max-turns", "0"], "--max-turns"), (["--max-total-len", "8"], "--max-total-len"), (["--opt", "x"], "KEY=VALUE"),
+    (["--opt", "nosuchoption=1"], "nosuchoption"), (["--bench", "nope"], "--bench"), (["--split", "nosplit"], "nosplit"),
+    (["--device", "tpu"], "device"), (["--fidelity=maybe"], "--fidelity"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", EVAL_BAD, ids=[" ".join(a) for a, _ in EVAL_BAD])
+def test_evaluate_bad_flag_is_one_line_exit_2(argv, needle, micro_path, tmp_path, capsys):
+    import evaluate
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--model", str(micro_path), "--limit", "1", "--out", str(tmp_path / "ev"), *argv])
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert exc.value.code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "ev").exists()
+
+
+def test_missing_packages_and_corrupt_task_files_are_one_line_exit_2(micro_path, tmp_path, capsys, monkeypatch):
+    import evaluate
+    corrupt = tmp_path / "finmcp.json"
+    corrupt.write_text('[{"messages": [')
+    wrong = tmp_path / "finmcp_wrong.json"
+    wrong.write_text('[{"no_messages": 1}]')
+    vita_dir = tmp_path / "vita"
+    (vita_dir / "delivery").mkdir(parents=True)
+    cases = [(["--bench", "finmcp"], "FinMCP"), (["--bench", "finmcp", "--opt", f"data={corrupt}"], "neither JSON"),
+             (["--bench", "finmcp", "--opt", f"data={wrong}"], "messages"),
+             (["--bench", "finmcp", "--opt", f"data={tmp_path / 'none.json'}"], "does not exist"),
+             (["--bench", "vita", "--opt", f"data={tmp_path / 'novita'}"], "not found"),
+             (["--bench", "vita", "--opt", f"data={vita_dir}"], "no VitaBench")]
+    for name in ("bfcl_eval", "tau2"):   # as if the package were not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    cases += [(["--bench", "bfcl"], "pip install"), (["--bench", "tau2"], "pip install")]
+    for argv, needle in cases:
+        with pytest.raises(SystemExit) as exc:
+            evaluate.main(["--model", str(micro_path), "--limit", "1", "--out", str(tmp_path / "ev"), *argv])
+        err = capsys.readouterr().err
+        lines = error_lines(err)
+        assert exc.value.code == 2 and len(lines) == 1 and needle in lines[0], (argv, err)
+        if argv[1] in ("bfcl", "tau2", "finmcp"):
+            res = run_train(["--model", str(micro_path), "--out", str(tmp_path / "tr"), *argv[:2]])
+            lines = error_lines(res.stderr)
+            assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (argv, res.stderr)
+        assert not (tmp_path / "ev").exists() and not (tmp_path / "tr").exists()
+
+
+def test_bad_run_folders_are_one_line_exit_2(micro_path, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    res = run_train(["--model", str(micro_path), "--out", str(afile)])
+    assert res.returncode == 2 and len(error_lines(res.stderr)) == 1 and "not a folder" in res.stderr, res.stderr
+    assert afile.read_text() == "not a folder"
+    for content, needle in (("{oops", "config.json"), ('{"no_such_field": 1}', "no_such_field")):
+        run = tmp_path / f"r{len(content)}"
+        run.mkdir()
+        (run / "config.json").write_text(content)
+        res = run_train(["--resume", str(run)])
+        lines = error_lines(res.stderr)
+        assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+        assert (run / "config.json").read_text() == content
