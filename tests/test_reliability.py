@@ -776,3 +776,49 @@ def test_bad_run_folders_are_one_line_exit_2(micro_path, tmp_path):
         lines = error_lines(res.stderr)
         assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
         assert (run / "config.json").read_text() == content
+
+
+# ==========================================================================================================
+# Resource limits: contexts are cut with a recorded reason; out-of-memory names the flags that help
+
+def test_context_past_the_limit_is_cut_with_a_recorded_reason(micro_path):
+    from bench import toyworld
+    model, tok = policy.load_policy(str(micro_path))
+    eng = rollout.Engine(model.eval(), tok)
+    tasks = toyworld.load_tasks("test", limit=2)
+    n_prompt = max(len(eng.prompt_ids(t)) for t in tasks)
+    for limit in (n_prompt - 5, n_prompt + 7):      # the prompt itself too long; the trajectory grows too long
+        cfg = rollout.SamplingConfig(max_total_len=limit, max_new_tokens=64, seed=1)
+        ro = eng.run(tasks, 2, cfg, make_env=toyworld.make_env, world="rehearse")
+        for b, (tr, reason) in enumerate(zip(ro.trajectories, ro.end_reasons)):
+            prompt = len(eng.prompt_ids(tasks[ro.task_index[b]]))
+            if prompt >= limit:                      # nothing generated; the prompt is kept whole
+                assert reason == "max_length" and int(ro.lengths[b]) == prompt
+            else:
+                assert int(ro.lengths[b]) <= limit
+            if reason == "max_length":
+                assert any(e.startswith("context_too_long") for e in tr.errors), tr.errors
+        assert "max_length" in ro.end_reasons
+        ep = rehearse.act(eng, tasks[0], cfg, toyworld.make_env(tasks[0]), rehearse.RehearsalConfig(budget=1))
+        assert int(ep.rollout.lengths[0]) <= max(limit, len(eng.prompt_ids(tasks[0]))) and (
+            ep.trajectory.end_reason != "max_length"
+                                                    or any("context_too_long" in e for e in ep.trajectory.errors))
+    old = model.config.max_position_embeddings       # the model's own maximum wins over a larger max_total_len
+    model.config.max_position_embeddings = n_prompt + 3
+    try:
+        ro = eng.run(tasks, 1, rollout.SamplingConfig(max_total_len=10_000, max_new_tokens=64), world="rehearse")
+    finally:
+        model.config.max_position_embeddings = old
+    assert int(ro.lengths.max()) <= n_prompt + 3 and "max_length" in ro.end_reasons
+
+
+def test_out_of_memory_names_the_flags_that_reduce_memory(micro_path, tmp_path, monkeypatch):
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(rollout.Engine, "run", oom)
+    res = run_train(tiny_args(micro_path, tmp_path / "oom", sft=1, steps=1))
+    lines = [l for l in error_lines(res.stderr) if l.startswith("error")]
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    for flag in ("--micro-batch", "--group-size", "--max-new-tokens", "--max-total-len", "--chunk-size"):
+        assert flag in lines[0]
+    assert check_checkpoints(tmp_path / "oom") == 1        # the step before stays resumable
