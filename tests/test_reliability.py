@@ -746,8 +746,12 @@ def test_missing_packages_and_corrupt_task_files_are_one_line_exit_2(micro_path,
              (["--bench", "finmcp", "--opt", f"data={tmp_path / 'none.json'}"], "does not exist"),
              (["--bench", "vita", "--opt", f"data={tmp_path / 'novita'}"], "not found"),
              (["--bench", "vita", "--opt", f"data={vita_dir}"], "no VitaBench")]
-    for name in ("bfcl_eval", "tau2"):   # as if the package were not installed
+    for name in ("bfcl_eval", "tau2"):   # as if the package were not installed (and never imported)
         monkeypatch.setitem(sys.modules, name, None)
+    import bench.tau2
+    caches = [f for f in vars(bench.tau2).values() if hasattr(f, "cache_clear")]
+    for f in caches:
+        f.cache_clear()
     cases += [(["--bench", "bfcl"], "pip install"), (["--bench", "tau2"], "pip install")]
     for argv, needle in cases:
         with pytest.raises(SystemExit) as exc:
@@ -760,6 +764,8 @@ def test_missing_packages_and_corrupt_task_files_are_one_line_exit_2(micro_path,
             lines = error_lines(res.stderr)
             assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (argv, res.stderr)
         assert not (tmp_path / "ev").exists() and not (tmp_path / "tr").exists()
+    for f in caches:
+        f.cache_clear()
 
 
 def test_bad_run_folders_are_one_line_exit_2(micro_path, tmp_path):
