@@ -329,6 +329,12 @@ def main(argv=None) -> int:
         parser.error(f"{args.bench} split {args.split!r} has no tasks")
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        parser.error(f"--device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device} was asked for but CUDA is not available here; use --device cpu or auto")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model_name = resolve_model(args.model)
     try:

@@ -48,7 +48,7 @@ def validate_rehearsal(text: str, terminated: bool, expect_json: bool = True) ->
     elif expect_json:
         try:
             json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: nesting too deep to decode
             defects.append("invalid_json")
     return defects
 
@@ -149,7 +149,7 @@ def memory_text(records: list[dict], memory_chars: int = 240) -> str:
 def _json(text: str):
     try:
         return True, json.loads(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return False, None
 
 

@@ -20,7 +20,6 @@ observations, user turns) is tokenized, as deltas cut at special-token boundarie
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -147,8 +146,59 @@ def derive_turn_format(tok) -> TurnFormat:
 
 CALL_ERRORS = ("malformed_json", "not_an_object", "missing_name", "bad_arguments", "unknown_tool",
                "missing_arguments", "unterminated_call", "stray_close_tag")
-_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def _spans(text: str, open_tag: str, close_tag: str):
+    """(start, end) of each open_tag ... nearest close_tag, left to right: `re.finditer(open.*?close)` in
+    linear time (the regex rescans to the end from every unclosed tag, quadratic on degenerate turns)."""
+    pos = 0
+    while True:
+        i = text.find(open_tag, pos)
+        if i < 0:
+            return
+        j = text.find(close_tag, i + len(open_tag))
+        if j < 0:
+            return
+        pos = j + len(close_tag)
+        yield i, pos
+
+
+def _no_duplicate_keys(pairs):
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise ValueError(f"duplicate key {k!r}")
+        obj[k] = v
+    return obj
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text):
+    v = float(text)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return v
+
+
+def strict_json(text: str):
+    """json.loads without Python's extensions and ambiguities: NaN/Infinity, numbers that overflow to inf,
+    duplicate keys (which one would the call mean?) and unpaired surrogate escapes raise ValueError, and so
+    does nesting too deep to decode (instead of RecursionError)."""
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+                         parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode (an unpaired surrogate \\u escape)") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return obj
 
 
 @dataclass
@@ -173,7 +223,7 @@ class ParsedTurn:
 
 def _parse_call(raw: str, tools: dict[str, dict]) -> ToolCall | CallError:
     try:
-        obj = json.loads(raw)
+        obj = strict_json(raw)
     except ValueError as exc:
         return CallError("malformed_json", f"tool call is not valid JSON ({exc})", raw)
     if not isinstance(obj, dict):
@@ -184,7 +234,7 @@ def _parse_call(raw: str, tools: dict[str, dict]) -> ToolCall | CallError:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = strict_json(args) if args.strip() else {}
         except ValueError:
             return CallError("bad_arguments", f"arguments of {name!r} are a string that is not JSON", raw)
     if not isinstance(args, dict):
@@ -205,12 +255,20 @@ def parse_turn(text: str, tools: list[dict]) -> ParsedTurn:
     for t in tools:
         fn = t.get("function", t)
         by_name[fn.get("name")] = fn
-    body = _THINK_RE.sub("", text)
+    kept, pos = [], 0
+    for start, end in _spans(text, "<think>", "</think>"):
+        kept.append(text[pos:start])
+        pos = end
+    body = "".join(kept) + text[pos:]
     items, pieces, pos = [], [], 0
-    for m in _CALL_RE.finditer(body):
-        pieces.append(body[pos:m.start()])
-        items.append(_parse_call(m.group(1).strip(), by_name))
-        pos = m.end()
+    for start, end in _spans(body, "<tool_call>", "</tool_call>"):
+        between = body[pos:start]
+        if "</tool_call>" in between:   # e.g. after nested tags: an error, not answer text
+            items.append(CallError("stray_close_tag", "</tool_call> without a matching <tool_call>", between))
+            between = between.replace("</tool_call>", "")
+        pieces.append(between)
+        items.append(_parse_call(body[start + len("<tool_call>"):end - len("</tool_call>")].strip(), by_name))
+        pos = end
     tail = body[pos:]
     if "<tool_call>" in tail:
         cut = tail.index("<tool_call>")

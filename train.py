@@ -71,7 +71,9 @@ def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_
                                     temperature, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(h[s:s + chunk_size], weight, targets[s:s + chunk_size], temperature))
-    flat = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.promote_types(h.dtype, torch.float32))
+    # no trained position in this batch: an empty result that is still part of the graph, so backward()
+    # works (zero gradients) instead of failing with "does not require grad"
+    flat = torch.cat(parts) if parts else _chunk_logprobs(h, weight, targets, temperature)
     out = torch.zeros(predict.shape, dtype=flat.dtype, device=ids.device).masked_scatter(predict, flat)
     return F.pad(out, (1, 0))
 
@@ -547,18 +549,19 @@ def read_state(ckpt: Path) -> dict:
 
 class MetricsLog:
     """One JSON object per line, flushed and fsynced per record, so a killed run never leaves a torn line.
-    On resume, records after the checkpoint's step (and any torn tail) are dropped first."""
+    On resume from checkpoint step_N (N steps done: 0..N-1), records of steps >= N (written after that
+    checkpoint by the killed process, and re-run now) and any torn tail are dropped first."""
 
-    def __init__(self, path: Path, keep_through_step: int | None = None):
+    def __init__(self, path: Path, keep_before_step: int | None = None):
         self.path = path
-        if keep_through_step is not None and path.exists():
+        if keep_before_step is not None and path.exists():
             kept = []
             for line in path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except ValueError:
                     break
-                if rec.get("step", -1) <= keep_through_step:
+                if rec.get("step", -1) < keep_before_step:
                     kept.append(line)
             write_atomic(path, "".join(k + "\n" for k in kept))
         self.f = open(path, "a")
@@ -590,6 +593,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         if state.get("world_size", 1) != d.world:
             raise CheckpointError(f"{ckpt} was written by {state.get('world_size')} processes; resume it with "
                                   f"the same --nproc_per_node (got {d.world})")
+    elif run.exists() and not run.is_dir():
+        raise ConfigError(f"--out {run} exists and is not a folder; pass a folder path for the run")
     elif run.exists() and any(run.iterdir()) and not cfg.overwrite:
         raise ConfigError(f"run folder {run} already exists; use --resume {run} to continue it, --out for a new "
                           "one, or --overwrite to replace it")
@@ -621,7 +626,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             shutil.rmtree(run)
         (run / "ckpt").mkdir(parents=True, exist_ok=True)
         write_atomic(run / "config.json", json.dumps(asdict(cfg), indent=1))
-    metrics = MetricsLog(run / "metrics.jsonl", keep_through_step=start_step if resume else None) if d.main else None
+    metrics = MetricsLog(run / "metrics.jsonl", keep_before_step=start_step if resume else None) if d.main else None
     samples = open(run / "samples.jsonl", "a") if d.main else None
 
     lcfg = LossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -762,9 +767,15 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
 # CLI
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr (not the 20-line usage), exit 2
+        sys.stderr.write(f"train.py: error: {' '.join(str(message).split())} (see python train.py --help)\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="EnvACE GRPO training (rehearsal by default).",
-                                 argument_default=argparse.SUPPRESS)
+    ap = _Parser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
+                 argument_default=argparse.SUPPRESS)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -784,9 +795,16 @@ def main(argv=None) -> int:
     try:
         if resume is not None:
             run = Path(resume)
-            saved = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else None
+            try:
+                saved = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else None
+            except ValueError as exc:
+                raise CheckpointError(f"{run / 'config.json'} is corrupt ({exc}); start a new run with --out") from exc
             if saved is None:
                 raise CheckpointError(f"{run} has no config.json: not a training run folder")
+            unknown = sorted(set(saved) - {f.name for f in fields(TrainConfig)}) if isinstance(saved, dict) else []
+            if not isinstance(saved, dict) or unknown:
+                raise CheckpointError(f"{run / 'config.json'} is not a config this train.py wrote (unknown fields: "
+                                      f"{', '.join(unknown) or 'not an object'}); start a new run with --out")
             cfg = TrainConfig(**{**saved, **args, "out": str(run)})
         else:
             cfg = TrainConfig(**args)
@@ -800,6 +818,12 @@ def main(argv=None) -> int:
         return 2
     except FloatingPointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except torch.OutOfMemoryError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+        print(f"error: out of device memory ({first[:160]}); reduce --micro-batch (rows per forward/backward), "
+              "--group-size, --max-new-tokens, --max-total-len or --chunk-size (log-prob positions per LM-head "
+              "chunk), then --resume the run", file=sys.stderr)
         return 1
     print(f"run saved in {run} (latest checkpoint: {(run / 'latest').read_text().strip()})")
     return 0
