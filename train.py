@@ -627,7 +627,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         (run / "ckpt").mkdir(parents=True, exist_ok=True)
         write_atomic(run / "config.json", json.dumps(asdict(cfg), indent=1))
     metrics = MetricsLog(run / "metrics.jsonl", keep_before_step=start_step if resume else None) if d.main else None
-    samples = open(run / "samples.jsonl", "a") if d.main else None
+    samples = MetricsLog(run / "samples.jsonl", keep_before_step=start_step if resume else None) if d.main else None
 
     lcfg = LossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                       kl_coef=cfg.kl_coef, aggregate=cfg.aggregate,
@@ -735,10 +735,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                           t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
                           end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)})
             if samples is not None and ro.ids.shape[0]:
-                samples.write(json.dumps({"step": step, "task": ro.trajectories[0].task_id,
-                                          "reward": scores[0].reward,
-                                          "text": rollout.describe_row(ro, tok, 0)}) + "\n")
-                samples.flush()
+                samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
+                               "text": rollout.describe_row(ro, tok, 0)})
         bad_steps = 0 if ok else bad_steps + 1
         record["skipped_update"] = not ok
         record["t_step"] = time.perf_counter() - t_step
