@@ -46,7 +46,7 @@ def latest(run_dir: Path) -> Path:
 def evaluate(ckpt: Path, out: Path, args, seed: int) -> dict:
     """Budgets 0,1,2,4 parallel and 1,2,4 sequential on the same tasks and seed; returns {label: summary}."""
     results = {}
-    for mode, budgets in (("parallel", args.budgets), ("sequential", [b for b in args.budgets if b > 0])):
+    for mode, budgets in (("parallel", args.budgets), ("sequential", args.seq_budgets)):
         if not budgets:
             continue
         dest = out / mode
@@ -91,10 +91,14 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--eval-limit", type=int, default=32)
     ap.add_argument("--eval-temperature", type=float, default=0.6)
-    ap.add_argument("--budgets", default="0,1,2,4")
+    ap.add_argument("--budgets", default="0,1,2,4", help="parallel budgets evaluated")
+    ap.add_argument("--seq-budgets", default="1,2,4", help="sequential budgets evaluated ('' for none)")
+    ap.add_argument("--warm-start", default="", help="use this checkpoint as every seed's warm start "
+                    "instead of training one per seed (the GRPO seeds still differ)")
     ap.add_argument("--out", default="runs/experiment")
     args = ap.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.seq_budgets = [int(b) for b in args.seq_budgets.split(",") if b.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -102,16 +106,21 @@ def main(argv=None):
     curves: dict[str, dict[int, list]] = {}
     for seed in seeds:
         print(f"seed {seed}", flush=True)
-        sft = out / f"sft-s{seed}"
-        if not (sft / "latest").exists():
-            run(["train.py", "--out", str(sft), "--overwrite", "--seed", str(seed), "--sft-steps",
-                 str(args.sft_steps), "--steps", "0", "--save-every", str(args.sft_steps)], out / f"sft-s{seed}.log")
-        arms = {"warm-start": latest(sft)}
+        if args.warm_start:
+            warm = Path(args.warm_start).resolve()
+        else:
+            sft = out / f"sft-s{seed}"
+            if not (sft / "latest").exists():
+                run(["train.py", "--out", str(sft), "--overwrite", "--seed", str(seed), "--sft-steps",
+                     str(args.sft_steps), "--steps", "0", "--save-every", str(args.sft_steps)],
+                    out / f"sft-s{seed}.log")
+            warm = latest(sft)
+        arms = {"warm-start": warm}
         for arm, flags in ARMS.items():
             rd = out / f"{arm}-s{seed}"
             if not (rd / "latest").exists() or not (latest(rd) / "state.json").exists() or \
                     json.loads((latest(rd) / "state.json").read_text())["step"] < args.grpo_steps:
-                run(["train.py", "--model", str(latest(sft)), "--out", str(rd), "--overwrite", "--seed", str(seed),
+                run(["train.py", "--model", str(warm), "--out", str(rd), "--overwrite", "--seed", str(seed),
                      "--sft-steps", "0", "--steps", str(args.grpo_steps), "--lr", str(args.lr),
                      "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
                      "--save-every", str(args.grpo_steps), *flags], out / f"{arm}-s{seed}.log")
