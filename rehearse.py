@@ -514,31 +514,18 @@ def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, stee
 
 def _advance(eng, helper, kv, row, rcfg, fgen, episode):
     """rollout.Engine._start_next for real calls, with a discarded fidelity probe before each execution."""
-    from rollout import Role
-    fmt = eng.fmt
-    while row.plan:
-        kind, a, b = row.plan.popleft()
-        if kind == "feed":
-            row.append(a, b)
-        elif kind == "obs":
-            predicted = None
-            if a is not None and rcfg.fidelity:
-                t0 = time.perf_counter()
-                predicted = helper.probe(kv, row, fgen)
-                helper.stats["fidelity_seconds"] += time.perf_counter() - t0
-            text = b.observation() if a is None else eng._execute(row, row.traj.calls[a])
-            if a is None:
-                row.traj.messages.append({"role": "tool", "content": text})
-            else:
-                eng._record_response(row, a, text, rehearsed=False)
-                if predicted is not None:
-                    call = row.traj.calls[a]
-                    episode.fidelity.append({"call": {"name": call.name, "arguments": call.arguments},
-                                             "predicted": predicted, "real": text, **fidelity(predicted, text)})
-            row.append(eng.encode(text), Role.OBS)
-            row.append(eng.encode(fmt.obs_end, True), Role.PROMPT)
-        else:
-            row.gen_role, row.gen_payload, row.gen_start = a, b, len(row.ids)
-            return
-    if not row.done:
-        row.finish("plan_exhausted")
+
+    def probe_then_execute(row, index):
+        predicted = None
+        if rcfg.fidelity:
+            t0 = time.perf_counter()
+            predicted = helper.probe(kv, row, fgen)
+            helper.stats["fidelity_seconds"] += time.perf_counter() - t0
+        text = eng._execute(row, row.traj.calls[index])
+        if predicted is not None:
+            call = row.traj.calls[index]
+            episode.fidelity.append({"call": {"name": call.name, "arguments": call.arguments},
+                                     "predicted": predicted, "real": text, **fidelity(predicted, text)})
+        return text
+
+    eng._start_next(row, execute=probe_then_execute)

@@ -395,15 +395,21 @@ class Engine:
 
     # -- host logic run when a row's generated segment ends --------------------------------------------
 
-    def _start_next(self, row: _Row):
-        """Apply plan items in order until the next generation segment; an empty plan ends the row."""
+    def _start_next(self, row: _Row, execute: Callable[[_Row, int], str] | None = None):
+        """Apply plan items in order until the next generation segment; an empty plan ends the row.
+
+        execute(row, call_index) -> observation replaces the plain real execution (rehearse.py wraps it with a
+        discarded fidelity probe)."""
         fmt = self.fmt
         while row.plan:
             kind, a, b = row.plan.popleft()
             if kind == "feed":
                 row.append(a, b)
             elif kind == "obs":  # a = call index or None for a call error, b = CallError or None
-                text = b.observation() if a is None else self._execute(row, row.traj.calls[a])
+                if a is None:
+                    text = b.observation()
+                else:
+                    text = execute(row, a) if execute else self._execute(row, row.traj.calls[a])
                 if a is None:
                     row.traj.messages.append({"role": "tool", "content": text})
                 else:

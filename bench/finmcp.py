@@ -43,7 +43,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from bench import BenchUnavailable, Score, Task, ToolCall, Trajectory
+from bench import BenchUnavailable, Score, Task, Trajectory
 
 NAME = "finmcp"
 CATEGORIES = ("all", "single_tool", "multi_tool", "multi_turn")

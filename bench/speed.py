@@ -34,11 +34,9 @@ Tables are printed; everything is written as JSON (--out). No number here is ass
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
-import math
 import os
 import platform
 import resource

@@ -96,3 +96,19 @@ class EchoEnv:
 
     def user_turn(self, assistant_text):
         return self.followups.pop(0) if self.followups else None
+
+
+def run_train(args):
+    """train.main in this process (a subprocess would pay the imports again): exit code and stderr."""
+    import contextlib
+    import io
+    import types
+
+    import train
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = train.main(args)
+        except SystemExit as exc:      # argparse errors
+            code = exc.code
+    return types.SimpleNamespace(returncode=code, stderr=err.getvalue())

@@ -6,9 +6,7 @@ Every generator is seeded; the counts tried are printed (pytest -s) and summed u
 import contextlib
 import copy
 import importlib.util
-import io
 import json
-import math
 import os
 import random
 import re
@@ -17,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ import rollout
 import train
 from bench import ToolCall
 from rollout import CALL_ERRORS, CallError, parse_turn
+from tests.scripted import run_train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -410,17 +408,6 @@ def test_environments_turn_random_typed_arguments_into_error_observations():
 
 # ==========================================================================================================
 # Crash safety: SIGKILL at random points, resume, compare with an uninterrupted run; Ctrl-C
-
-def run_train(args):
-    """train.main in this process: exit code and stderr."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = train.main(args)
-        except SystemExit as exc:      # argparse errors
-            code = exc.code
-    return types.SimpleNamespace(returncode=code, stderr=err.getvalue())
-
 
 def tiny_args(micro_path, out, sft=4, steps=2, extra=()):
     return ["--model", str(micro_path), "--out", str(out), "--sft-steps", str(sft), "--steps", str(steps),

@@ -11,7 +11,7 @@ import policy
 import rollout
 import train
 from rollout import Role
-from tests.scripted import tasks
+from tests.scripted import run_train, tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 ACT_WORLD = [Role.ACT, Role.WORLD]
@@ -161,20 +161,6 @@ def test_fsdp_two_processes_match_one(micro_path, tmp_path):
     for k in one["params"]:
         assert one["params"][k] == pytest.approx(two["params"][k], abs=1e-5), k
     assert one["gen"] == two["gen"]          # generation with the unsharded FSDP model is the same
-
-
-def run_train(args):
-    """train.main in this process (a subprocess would pay the imports again): exit code and stderr."""
-    import contextlib
-    import io
-    import types
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = train.main(args)
-        except SystemExit as exc:      # argparse errors
-            code = exc.code
-    return types.SimpleNamespace(returncode=code, stderr=err.getvalue())
 
 
 def small_run(micro_path, out, steps, extra=()):
