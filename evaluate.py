@@ -31,7 +31,7 @@ from pathlib import Path
 
 GROUP_KEYS = ("family", "category", "domain")
 TRAIN_RUN = Path("runs/tiny-toyworld")
-DEFAULT_TOYWORLD_LIMIT = 64
+DEFAULT_TOYWORLD_LIMIT = 32
 LIMITS = {"default": {"max_new_tokens": 256, "max_world_tokens": 128, "max_turns": 30, "max_total_len": 16384},
           "toyworld": {"max_new_tokens": 48, "max_world_tokens": 32, "max_turns": 8, "max_total_len": 2048}}
 
@@ -85,7 +85,7 @@ def build_parser():
                    "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=_int_at_least(1), default=None,
-                   help="first N tasks of the split (default: all; toyworld: the first 64 of its 1000)")
+                   help="first N tasks of the split (default: all; toyworld: the first 32 of its 1000)")
     p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
     p.add_argument("--num-trials", type=_int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
