@@ -211,7 +211,7 @@ class TrainConfig:
     act_weight: float = 1.0
     world_weight: float = 1.0
     defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
-    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: 120 for tiny, else 0
+    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: 1400 for tiny, else 0
     sft_batch: int = 16
     sft_lr: float = 2e-3
     sft_roles: str = "act,world"
@@ -227,7 +227,7 @@ class TrainConfig:
         if c.lr < 0:
             c.lr = 3e-4 if tiny else 1e-6
         if c.sft_steps < 0:
-            c.sft_steps = 120 if tiny and c.bench == "toyworld" else 0
+            c.sft_steps = 1400 if tiny and c.bench == "toyworld" else 0
         return c
 
 

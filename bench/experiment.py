@@ -53,7 +53,8 @@ def evaluate(ckpt: Path, out: Path, args, seed: int) -> dict:
         if not (dest / "summary.json").exists():
             run(["evaluate.py", "--model", str(ckpt), "--limit", str(args.eval_limit), "--seed", str(seed),
                  "--compare", ",".join(map(str, budgets)), "--rehearsal-mode", mode, "--out", str(dest),
-                 "--temperature", str(args.eval_temperature)], out / f"eval-{mode}.log")
+                 "--temperature", str(args.eval_temperature),
+                 *(["--opt", f"families={args.families}"] if args.families else [])], out / f"eval-{mode}.log")
         summary = json.loads((dest / "summary.json").read_text())
         for label, s in summary.get("runs", summary).items():
             results[f"{mode}/{label}" if mode == "sequential" else label] = s
@@ -95,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--seq-budgets", default="1,2,4", help="sequential budgets evaluated ('' for none)")
     ap.add_argument("--warm-start", default="", help="use this checkpoint as every seed's warm start "
                     "instead of training one per seed (the GRPO seeds still differ)")
+    ap.add_argument("--families", default="", help="restrict train and test tasks to these toy-world families")
     ap.add_argument("--out", default="runs/experiment")
     args = ap.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",")]
@@ -123,7 +125,9 @@ def main(argv=None):
                 run(["train.py", "--model", str(warm), "--out", str(rd), "--overwrite", "--seed", str(seed),
                      "--sft-steps", "0", "--steps", str(args.grpo_steps), "--lr", str(args.lr),
                      "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
-                     "--save-every", str(args.grpo_steps), *flags], out / f"{arm}-s{seed}.log")
+                     "--save-every", str(args.grpo_steps), *flags,
+                     *(["--task-opts", f"families={args.families}"] if args.families else [])],
+                    out / f"{arm}-s{seed}.log")
             arms[arm] = latest(rd)
             for line in (rd / "metrics.jsonl").read_text().splitlines():
                 rec = json.loads(line)
