@@ -46,6 +46,7 @@ def latest(run_dir: Path) -> Path:
 def evaluate(ckpt: Path, out: Path, args, seed: int) -> dict:
     """Budgets 0,1,2,4 parallel and 1,2,4 sequential on the same tasks and seed; returns {label: summary}."""
     results = {}
+    out.mkdir(parents=True, exist_ok=True)
     for mode, budgets in (("parallel", args.budgets), ("sequential", args.seq_budgets)):
         if not budgets:
             continue
