@@ -199,14 +199,8 @@ class _KV:
         """Feed each line's uncached tokens (line.ids[line.n_cached:], at least one each); next-token logits."""
         feeds = [ln.ids[ln.n_cached:] for ln in lines]
         assert all(feeds), "every row needs an uncached token to get next-token logits"
-        width = max(len(f) for f in feeds)
-        ids = torch.full((len(lines), width), self.eng.tok.pad_token_id, dtype=torch.long)
-        chunk = torch.zeros((len(lines), width), dtype=torch.long)
-        pos = torch.zeros((len(lines), width), dtype=torch.long)
-        for j, (ln, f) in enumerate(zip(lines, feeds)):
-            ids[j, width - len(f):] = torch.tensor(f)
-            chunk[j, width - len(f):] = 1
-            pos[j, width - len(f):] = torch.arange(ln.n_cached, ln.n_cached + len(f))
+        from rollout import ragged_chunk
+        ids, chunk, pos = ragged_chunk(feeds, [ln.n_cached for ln in lines], self.eng.tok.pad_token_id)
         self.mask = torch.cat([self.mask, chunk.to(self.device)], dim=1)
         out = self.eng.model(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=pos.to(self.device),
                              cache=self.cache, use_cache=True, logits_to_keep=1)

@@ -628,14 +628,7 @@ class Engine:
                 continue
             # feed each row's uncached tokens; chunks are left-padded so the last column is real for all rows
             feeds = [r.feed for r in active]
-            width = max(len(f) for f in feeds)
-            ids = torch.full((len(active), width), self.tok.pad_token_id, dtype=torch.long)
-            chunk_mask = torch.zeros((len(active), width), dtype=torch.long)
-            pos = torch.zeros((len(active), width), dtype=torch.long)
-            for j, (r, f) in enumerate(zip(active, feeds)):
-                ids[j, width - len(f):] = torch.tensor(f)
-                chunk_mask[j, width - len(f):] = 1
-                pos[j, width - len(f):] = torch.arange(r.n_cached, r.n_cached + len(f))
+            ids, chunk_mask, pos = ragged_chunk(feeds, [r.n_cached for r in active], self.tok.pad_token_id)
             mask = torch.cat([mask, chunk_mask.to(device)], dim=1)
             out = self.model(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device),
                              cache=cache, use_cache=True, logits_to_keep=1)
@@ -666,6 +659,20 @@ class Engine:
                        spans=[r.spans for r in rows], trajectories=[r.traj for r in rows],
                        end_reasons=[r.traj.end_reason for r in rows], rehearsal_defects=[r.defects for r in rows],
                        stats=stats)
+
+
+def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
+    """Left-pad each row's new tokens into one [B, W] chunk (so the last column is real for every row), with
+    its attention-mask columns and explicit positions continuing each row's own count of cached tokens."""
+    width = max(len(f) for f in feeds)
+    ids = torch.full((len(feeds), width), pad_id, dtype=torch.long)
+    chunk_mask = torch.zeros((len(feeds), width), dtype=torch.long)
+    pos = torch.zeros((len(feeds), width), dtype=torch.long)
+    for j, (f, start) in enumerate(zip(feeds, offsets)):
+        ids[j, width - len(f):] = torch.tensor(f)
+        chunk_mask[j, width - len(f):] = 1
+        pos[j, width - len(f):] = torch.arange(start, start + len(f))
+    return ids, chunk_mask, pos
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator, steered: torch.Tensor | None = None):
