@@ -162,6 +162,14 @@ def test_ground_truth_replays(tasks):
         assert all(s.components["env_assertions_met"])
 
 
+def test_ground_truth_replays_every_airline_and_retail_task(tasks):
+    """All 164 airline + retail tasks (the package's evaluator makes this the slowest test, ~2 minutes)."""
+    failed = [t.id for d in ("airline", "retail") for t in tasks[d]
+              if tau2.score(t, tau2.ground_truth_trajectory(t)).reward != 1.0]
+    assert len(tasks["airline"]) == 50 and len(tasks["retail"]) == 114
+    assert failed == []
+
+
 def test_corrupted_trajectories_score_zero(tasks):
     t = next(t for t in tasks["retail"] if t.id == "retail/5")
     gt = tau2.ground_truth_trajectory(t)
