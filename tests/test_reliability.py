@@ -460,20 +460,20 @@ def wait_for_lines(run, n, proc, timeout=120):
 
 def test_sigkill_at_random_points_then_resume_matches_the_uninterrupted_run(micro_path, tmp_path):
     full, run = tmp_path / "full", tmp_path / "killed"
-    total = 7
-    assert run_train(tiny_args(micro_path, full, sft=6, steps=1)).returncode == 0
+    total = 30   # long enough that a kill within 0.3 s of a new step always lands mid-run, even on a fast machine
+    assert run_train(tiny_args(micro_path, full, sft=28, steps=2)).returncode == 0
     r = random.Random(2024)
     kills, killed_at = 0, []
-    for _ in range(6):
+    for _ in range(10):
         if kills == 3:
             break
         resume = (run / "latest").exists()
         before = len(metrics_of(run))
-        proc = spawn(["--resume", str(run)] if resume else tiny_args(micro_path, run, sft=6, steps=1,
+        proc = spawn(["--resume", str(run)] if resume else tiny_args(micro_path, run, sft=28, steps=2,
                                                                       extra=["--overwrite"]))
         # let this process reach training (its first new metrics line), then kill at a random moment
         wait_for_lines(run, (before if resume else 0) + 1 - (1 if resume and before >= total else 0), proc)
-        time.sleep(r.uniform(0.0, 1.0))
+        time.sleep(r.uniform(0.0, 0.3))
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             kills += 1
