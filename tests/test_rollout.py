@@ -197,3 +197,49 @@ def test_role_mask_selects_only_trained_roles():
     roles = torch.tensor([[1, 2, 2, 3, 4, 1, 0]])
     assert rollout.role_mask(roles, [Role.ACT, Role.WORLD]).tolist() == [[False, True, True, True, False, False, False]]
     assert rollout.role_mask(roles, [Role.ACT]).tolist() == [[False, True, True, False, False, False, False]]
+
+
+def test_preallocated_kv_cache_matches_dynamic_cache_through_every_operation():
+    """Growth past capacity, batch selection, forking (deepcopy + repeat_interleave) and cropping: the
+    preallocated layer must hold exactly what transformers' concatenating DynamicCache holds."""
+    from transformers import DynamicCache
+    gen = torch.Generator().manual_seed(0)
+    ours, ref = rollout.new_kv_cache(), DynamicCache()
+
+    def feed(n, batch):
+        for layer in range(2):
+            k, v = torch.randn(batch, 2, n, 8, generator=gen), torch.randn(batch, 2, n, 8, generator=gen)
+            got, want = ours.update(k, v, layer), ref.update(k, v, layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    def same(a, b):
+        assert a.get_seq_length() == b.get_seq_length()
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+    feed(50, 3)
+    for _ in range(40):          # past the first 64-slot buffer: grows, copies the filled part
+        feed(1, 3)
+    same(ours, ref)
+    keep = torch.tensor([2, 0])
+    ours.batch_select_indices(keep), ref.batch_select_indices(keep)
+    feed(5, 2)
+    same(ours, ref)
+    twin_ours, twin_ref = copy.deepcopy(ours), copy.deepcopy(ref)
+    twin_ours.batch_repeat_interleave(3), twin_ref.batch_repeat_interleave(3)
+    ours.crop(-7), ref.crop(-7)
+    same(ours, ref)
+    for layer in range(2):       # the fork is independent: writing into it leaves the original alone
+        k = torch.randn(6, 2, 4, 8, generator=gen)
+        twin_ours.update(k, k, layer), twin_ref.update(k, k, layer)
+    same(twin_ours, twin_ref)
+    same(ours, ref)
+    feed(3, 2)                   # after a crop, new tokens overwrite the cropped slots
+    same(ours, ref)
+    plain, plain_ref = copy.deepcopy(ours), copy.deepcopy(ref)   # no batch change: must not share buffers
+    for layer in range(2):
+        plain.update(torch.ones(2, 2, 1, 8), torch.ones(2, 2, 1, 8), layer)
+        plain_ref.update(torch.ones(2, 2, 1, 8), torch.ones(2, 2, 1, 8), layer)
+    feed(1, 2)
+    same(ours, ref)
+    same(plain, plain_ref)
