@@ -506,52 +506,55 @@ def bench_logprob(preset, setup: Setup, args, log):
     tmp = Path(tempfile.mkdtemp(prefix="speed-lp-"))
     budget = 0.8 * available_bytes(setup.device)
     dtype_bytes = torch.finfo(setup.dtype).bits // 8
+
+    def worker(vocab, seq, method, chunk_size):
+        spec = {"device": str(setup.device), "dtype": str(setup.dtype).split(".")[-1], "attn": setup.attn,
+                "threads": torch.get_num_threads(), "arch": args.arch,
+                "hidden": preset["logprob_hidden"], "layers": 2, "vocab": vocab, "seq": seq,
+                "method": method, "save": str(tmp / f"{method}.pt"), "chunk_size": chunk_size}
+        proc = subprocess.run([sys.executable, __file__, "--logprob-worker", json.dumps(spec)],
+                              capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr or proc.stdout)[-800:]}
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
     for vocab, seq in preset["logprob"]:
-        cell = {"vocab": vocab, "seq": seq, "chunk_size": args.chunk_size}
-        for method in ("chunked", "naive"):
-            if method == "naive" and naive_bytes(vocab, seq, dtype_bytes) > budget:
-                cell[method] = {"skipped": f"needs about {naive_bytes(vocab, seq, dtype_bytes) / 2**30:.0f} GiB, "
-                                           f"{budget / 2**30:.0f} GiB available"}
-                continue
-            spec = {"device": str(setup.device), "dtype": str(setup.dtype).split(".")[-1], "attn": setup.attn,
-                    "threads": torch.get_num_threads(), "arch": args.arch,
-                    "hidden": preset["logprob_hidden"], "layers": 2, "vocab": vocab, "seq": seq,
-                    "method": method, "save": str(tmp / f"{method}.pt"), "chunk_size": args.chunk_size}
-            proc = subprocess.run([sys.executable, __file__, "--logprob-worker", json.dumps(spec)],
-                                  capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode != 0:
-                cell[method] = {"error": (proc.stderr or proc.stdout)[-800:]}
-                continue
-            cell[method] = json.loads(proc.stdout.strip().splitlines()[-1])
-        if "peak_mib" in cell["chunked"] and "peak_mib" in cell.get("naive", {}):
-            a = torch.load(tmp / "chunked.pt")
-            b = torch.load(tmp / "naive.pt")
-            cell["memory_ratio"] = cell["chunked"]["peak_mib"] / cell["naive"]["peak_mib"]
-            cell["logp_max_abs_diff"] = float((a["logp"] - b["logp"]).abs().max())
-            cell["grad_max_abs_diff"] = max(float((a["grads"][k] - b["grads"][k]).abs().max()) for k in a["grads"])
-            cell["grad_max_abs"] = max(float(b["grads"][k].abs().max()) for k in b["grads"])
+        need = naive_bytes(vocab, seq, dtype_bytes)
+        naive = worker(vocab, seq, "naive", 0) if need <= budget else {
+            "skipped": f"needs about {need / 2**30:.0f} GiB, {budget / 2**30:.0f} GiB available"}
+        for chunk_size in args.chunk_sizes:   # naive once per shape, chunked at every chunk size
+            cell = {"vocab": vocab, "seq": seq, "chunk_size": chunk_size, "naive": naive,
+                    "chunked": worker(vocab, seq, "chunked", chunk_size)}
+            if "peak_mib" in cell["chunked"] and "peak_mib" in naive:
+                a = torch.load(tmp / "chunked.pt")
+                b = torch.load(tmp / "naive.pt")
+                cell["memory_ratio"] = cell["chunked"]["peak_mib"] / naive["peak_mib"]
+                cell["logp_max_abs_diff"] = float((a["logp"] - b["logp"]).abs().max())
+                cell["grad_max_abs_diff"] = max(float((a["grads"][k] - b["grads"][k]).abs().max())
+                                                for k in a["grads"])
+                cell["grad_max_abs"] = max(float(b["grads"][k].abs().max()) for k in b["grads"])
+            cells.append(cell)
+            log(logprob_row(cell))
         for f in tmp.glob("*.pt"):
             f.unlink()
-        cells.append(cell)
-        log(logprob_row(cell))
     tmp.rmdir()
     return cells
 
 
-LOGPROB_HEADER = (f"{'vocab':>7} {'seq':>6} | {'chunked MiB':>11} {'naive MiB':>10} {'ratio':>6} | "
+LOGPROB_HEADER = (f"{'vocab':>7} {'seq':>6} {'chunk':>5} | {'chunked MiB':>11} {'naive MiB':>10} {'ratio':>6} | "
                   f"{'chunked s':>9} {'naive s':>8} | {'logp diff':>9} {'grad diff':>9}")
 
 
 def logprob_row(c):
     ch, nv = c["chunked"], c.get("naive", {})
     if "peak_mib" not in ch:
-        return f"{c['vocab']:>7} {c['seq']:>6} | chunked failed: {ch.get('error', '')[-200:]}"
+        return f"{c['vocab']:>7} {c['seq']:>6} {c['chunk_size']:>5} | chunked failed: {ch.get('error', '')[-200:]}"
     if "peak_mib" not in nv:
         note = nv.get("skipped") or nv.get("error", "")[-200:]
-        return (f"{c['vocab']:>7} {c['seq']:>6} | {ch['peak_mib']:>11.0f} {'-':>10} {'-':>6} | "
+        return (f"{c['vocab']:>7} {c['seq']:>6} {c['chunk_size']:>5} | {ch['peak_mib']:>11.0f} {'-':>10} {'-':>6} | "
                 f"{ch['seconds']:>9.1f} {'-':>8} | naive skipped: {note}")
     mib = lambda m: f"{m['peak_mib']:.0f}" + ("*" if m.get("upper_bound") else "")  # noqa: E731
-    return (f"{c['vocab']:>7} {c['seq']:>6} | {mib(ch):>11} {mib(nv):>10} "
+    return (f"{c['vocab']:>7} {c['seq']:>6} {c['chunk_size']:>5} | {mib(ch):>11} {mib(nv):>10} "
             f"{c['memory_ratio']:>6.3f} | {ch['seconds']:>9.1f} {nv['seconds']:>8.1f} | "
             f"{c['logp_max_abs_diff']:>9.2e} {c['grad_max_abs_diff']:>9.2e}")
 
@@ -652,7 +655,7 @@ def summarize(result):
             out[f"rollout_speedup_vs_nocache_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_nocache"], 3)
     for c in result.get("logprob", []):
         if "memory_ratio" in c:
-            out[f"logprob_memory_ratio_v{c['vocab']}_t{c['seq']}"] = round(c["memory_ratio"], 4)
+            out[f"logprob_memory_ratio_v{c['vocab']}_t{c['seq']}_chunk{c['chunk_size']}"] = round(c["memory_ratio"], 4)
     if "grpo" in result:
         out["grpo_step_seconds"] = round(result["grpo"]["median"]["total"], 3)
     return out
@@ -670,7 +673,8 @@ def main(argv=None):
     p.add_argument("--out", default="runs/speed/speed.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="the smallest run (the test suite's smoke test)")
-    p.add_argument("--chunk-size", type=int, default=1024, help="token_logprobs chunk size in the log-prob part")
+    p.add_argument("--chunk-sizes", default="256,1024",
+                   help="comma list of token_logprobs chunk sizes measured in the log-prob part")
     p.add_argument("--logprob-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     # train.grpo_loss reads float() of a grad-carrying tensor for its stats; harmless, and noisy here
@@ -683,6 +687,11 @@ def main(argv=None):
         return None
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device; torch.cuda.is_available() is False")
+    try:
+        args.chunk_sizes = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
+        assert args.chunk_sizes and min(args.chunk_sizes) > 0
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--chunk-sizes must be a comma list of positive integers, not {args.chunk_sizes!r}")
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in ("rollout", "logprob", "grpo")]
     if bad:
