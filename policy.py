@@ -21,7 +21,7 @@ import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 TINY_DIR = PROJECT_ROOT / ".cache" / "tiny-qwen3"
-TINY_FORMAT_VERSION = 2  # bump when the tiny recipe changes, so stale caches are rebuilt
+TINY_FORMAT_VERSION = 3  # bump when the tiny recipe changes, so stale caches are rebuilt
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -102,6 +102,9 @@ def tiny_corpus(cfg: TinyConfig) -> list[str]:
     except ImportError:
         return lines
     lines += toyworld.corpus_text(cfg.corpus_tasks, seed=cfg.seed)
+    import rehearse   # the test-time rehearsal texts, so their scaffolding compresses like the template's
+    lines += [rehearse.MEMORY_HEAD, rehearse.MEMORY_TAIL, rehearse.ASSESS_PREFIX, rehearse.ASSESS_OK,
+              rehearse.ASSESS_ERROR, rehearse.ASSESS_WRONG, "    assessment: ", "-> predicted"] * 50
     render = _renderer()
     for task in toyworld.load_tasks("train", limit=max(cfg.corpus_tasks // 4, 1), seed=cfg.seed):
         lines.append(render.apply_chat_template(toyworld.reference_trajectory(task), tools=task.tools,

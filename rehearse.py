@@ -144,6 +144,111 @@ def memory_text(records: list[dict], memory_chars: int = 240) -> str:
     return "".join(lines)
 
 
+# -- teaching the format: supervised warm-start examples -------------------------------------------------
+#
+# A model that never saw a memory block or an assessment prefix derails on them (measured: the tiny model
+# drops from 56% to 0% at B >= 1). These examples put both formats in the warm start, laid out token for
+# token as `act` lays them out at test time:
+#   assessment  context | proposal (ACT) | tool-response open | real response (WORLD) | close | ASSESS_PREFIX |
+#               assessment text (ACT)
+#   memory      context | memory block of 1-4 rehearsals, the first being the assessment example's (PROMPT,
+#               not trained) | the reference turn (ACT)
+# Proposals are the reference call or a perturbation of it; the "predicted" responses are the real ones
+# (what a perfect world model would write). The assessment rule is fixed and learnable: a proposal equal
+# to the reference is "ok", one whose response is an error "revise: it fails", else "revise: wrong
+# arguments". The committed turn is always the reference, so the memory teaches: commit what was judged ok.
+
+ASSESS_OK = "ok: this call is right; commit it."
+ASSESS_ERROR = "revise: it fails with an error."
+ASSESS_WRONG = "revise: the arguments look wrong."
+
+
+def assessment_for(call_is_reference: bool, response: str) -> str:
+    if call_is_reference:
+        return ASSESS_OK
+    return ASSESS_ERROR if is_error_text(response) else ASSESS_WRONG
+
+
+def perturb_arguments(arguments: dict, strings: list[str], rng) -> dict:
+    """A plausible wrong version of a call's arguments: one integer moved, or one string swapped for another
+    string of the episode (or misspelt). Returns a different dict whenever the arguments have a value."""
+    keys = [k for k, v in arguments.items() if isinstance(v, (int, str)) and not isinstance(v, bool)]
+    if not keys:
+        return dict(arguments)
+    out = dict(arguments)
+    k = rng.choice(keys)
+    v = out[k]
+    if isinstance(v, int):
+        choices = [v * 2, v + rng.randint(1, 9), max(1, v - rng.randint(1, 9)), max(1, v // 2), v * 3]
+        choices = [c for c in choices if c != v] or [v + 1]
+        out[k] = rng.choice(choices)
+    else:
+        others = sorted({x for x in strings if x != v})
+        out[k] = rng.choice(others) if others and rng.random() < 0.8 else v + v[-1:]
+    return out
+
+
+def _call_turn(call: dict) -> dict:
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+
+
+def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=(1, 2, 4)) -> list:
+    """One assessment example and one memory example (token ids, role ids) from a reference chat.
+
+    A call turn of the reference is picked at random; `make_env(task)` replays the reference calls before it
+    to get the real responses of the proposals. Returns [] when the chat has no single-call turn."""
+    from rollout import Role, encode_conversation
+    fmt = eng.fmt
+    turns = [i for i, m in enumerate(messages) if i >= len(task.messages) and m["role"] == "assistant"
+             and len(m.get("tool_calls") or []) == 1]
+    if not turns:
+        return []
+    t = rng.choice(turns)
+    n = len(encode_conversation(eng, task, messages[:t])[0])
+    full_ids, full_roles = encode_conversation(eng, task, messages[:t + 1])
+    ref = messages[t]["tool_calls"][0]["function"]
+    ref = {"name": ref["name"], "arguments": dict(ref["arguments"])}
+    strings = [v for m in messages for tc in (m.get("tool_calls") or [])
+               for v in tc["function"]["arguments"].values() if isinstance(v, str)]
+
+    def response(call):
+        env = make_env(task)
+        for m in messages[:t]:
+            for tc in m.get("tool_calls") or []:
+                env.step(tc["function"]["name"], tc["function"]["arguments"])
+        return str(env.step(call["name"], call["arguments"]))
+
+    def rehearsal():
+        """A proposal (the reference call or a perturbation) as a memory record, predicted = real response."""
+        prop = ref if rng.random() < 0.5 else {"name": ref["name"],
+                                                "arguments": perturb_arguments(ref["arguments"], strings, rng)}
+        obs = response(prop)
+        return prop, {"content": "", "assessment": assessment_for(prop == ref, obs),
+                      "items": [{"name": prop["name"], "arguments": prop["arguments"], "predicted": obs}]}
+
+    def piece(text, role, scaffold=False):
+        p = eng.encode(text, scaffold)
+        return p, [int(role)] * len(p)
+
+    # assessment: the proposal's body as the template renders it, then the rehearsal and the judgement
+    prop, first = rehearsal()
+    obs = first["items"][0]["predicted"]
+    ids, roles = encode_conversation(eng, task, messages[:t] + [_call_turn(prop)])
+    for text, role, scaffold in ((fmt.after_eos + fmt.tool_open, Role.PROMPT, True), (obs, Role.WORLD, False),
+                                 (fmt.obs_end, Role.WORLD, True), (fmt.tool_close, Role.PROMPT, True),
+                                 (ASSESS_PREFIX, Role.PROMPT, False), (first["assessment"], Role.ACT, False)):
+        p, r = piece(text, role, scaffold)
+        ids += p
+        roles += r
+    examples = [(ids + [fmt.eos_id], roles + [int(Role.ACT)])]
+    # memory: that rehearsal and up to 3 more in front of the reference turn
+    records = [first] + [rehearsal()[1] for _ in range(rng.choice(list(budgets)) - 1)]
+    mem, mem_roles = piece(memory_text(records), Role.PROMPT)
+    examples.append((full_ids[:n] + mem + full_ids[n:], full_roles[:n] + mem_roles + full_roles[n:]))
+    return examples
+
+
 # -- fidelity of the world model -----------------------------------------------------------------------------
 
 def _json(text: str):
@@ -186,13 +291,13 @@ def fidelity(predicted: str, real: str) -> dict:
 # -- a KV cache shared by ragged rows ------------------------------------------------------------------------
 
 class _KV:
-    """A DynamicCache with its attention mask (columns with holes where ragged rows were left-padded)."""
+    """A KV cache (rollout.new_kv_cache) with its attention mask (holes where ragged rows were left-padded)."""
 
     def __init__(self, eng, cache=None, mask=None):
-        from transformers import DynamicCache
+        from rollout import new_kv_cache
         self.eng = eng
         self.device = next(eng.model.parameters()).device
-        self.cache = cache if cache is not None else DynamicCache()
+        self.cache = cache if cache is not None else new_kv_cache()
         self.mask = mask if mask is not None else torch.zeros((1, 0), dtype=torch.long, device=self.device)
 
     def feed(self, lines, stats, bucket) -> "torch.Tensor":

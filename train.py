@@ -211,9 +211,12 @@ class TrainConfig:
     act_weight: float = 1.0
     world_weight: float = 1.0
     defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
-    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: 1400 for tiny, else 0
+    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: SFT_TINY_STEPS for tiny
     sft_batch: int = 16
-    sft_lr: float = 2e-3
+    sft_lr: float = 5e-3
+    sft_warmup: int = 30             # linear ramp of sft_lr over the first steps
+    sft_rehearsal_frac: float = -1.0  # share of warm-start sequences teaching the test-time rehearsal format
+    beta2: float = 0.95              # AdamW beta2 (0.95: the usual LM choice; tiny-model SFT learns ~2x faster)
     sft_roles: str = "act,world"
     seed: int = 0
     save_every: int = 20
@@ -227,10 +230,13 @@ class TrainConfig:
         if c.lr < 0:
             c.lr = 3e-4 if tiny else 1e-6
         if c.sft_steps < 0:
-            c.sft_steps = 1400 if tiny and c.bench == "toyworld" else 0
+            c.sft_steps = SFT_TINY_STEPS if tiny and c.bench == "toyworld" else 0
+        if c.sft_rehearsal_frac < 0:   # -1: on for the tiny model, which has never seen the format otherwise
+            c.sft_rehearsal_frac = 0.25 if tiny else 0.0
         return c
 
 
+SFT_TINY_STEPS = 800   # the tiny model's copy transition happens around steps 300-600 at sft_lr 5e-3 (README)
 ROLE_NAMES = {"act": Role.ACT, "world": Role.WORLD}
 
 
@@ -285,6 +291,12 @@ def validate(cfg: TrainConfig):
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if cfg.top_p > 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p}")
+    if not 0 <= cfg.beta2 < 1:
+        raise ConfigError(f"--beta2 must be in [0, 1), got {cfg.beta2}")
+    if cfg.sft_warmup < 0:
+        raise ConfigError(f"--sft-warmup must be >= 0, got {cfg.sft_warmup}")
+    if cfg.sft_rehearsal_frac != -1.0 and not 0 <= cfg.sft_rehearsal_frac <= 1:
+        raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1] (or -1: auto), got {cfg.sft_rehearsal_frac}")
     for name in ("kl_coef", "dual_clip", "defect_penalty", "weight_decay", "act_weight", "world_weight"):
         if not math.isfinite(getattr(cfg, name)) or getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -451,6 +463,19 @@ def optimizer_step(model, optimizer, grad_clip: float) -> tuple[float, bool]:
     return norm, True
 
 
+def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random):
+    """(ids, roles) of one warm-start sequence: the reference chat, or with probability rehearsal_frac one of
+    rehearse.warm_start_examples (an assessment or a memory-prefixed turn) built from it."""
+    import rehearse
+    import rollout
+    messages = bench.reference_trajectory(task)
+    if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
+        examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng)
+        if examples:
+            return rng.choice(examples)
+    return rollout.encode_conversation(engine, task, messages)
+
+
 def sft_loss(model, seqs: list[tuple[list[int], list[int]]], train_roles, d: Dist, pad_id: int, chunk_size: int):
     """Mean negative log-likelihood of the trained roles' tokens of reference sequences; backward included."""
     width = max(len(i) for i, _ in seqs)
@@ -614,7 +639,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     engine = rollout.Engine(model, tok)   # derives the template's scaffolding (fails early if unusable)
     model = shard(model, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, 0.999))
+                                  betas=(0.9, cfg.beta2))
     if ckpt is not None:
         try:
             saved = torch.load(ckpt / f"optim_rank{d.rank}.pt", weights_only=False)
@@ -663,9 +688,9 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         record = {"step": step, "phase": phase}
         if phase == "sft":
             for g in optimizer.param_groups:
-                g["lr"] = cfg.sft_lr
+                g["lr"] = cfg.sft_lr * min(1.0, (step + 1) / max(cfg.sft_warmup, 1))
             batch_tasks = pick.sample(tasks, min(cfg.sft_batch, len(tasks)))[d.rank::d.world]
-            seqs = [rollout.encode_conversation(engine, t, bench.reference_trajectory(t)) for t in batch_tasks]
+            seqs = [sft_sequence(engine, bench, t, cfg.sft_rehearsal_frac, pick) for t in batch_tasks]
             model.train()
             loss, n_tok = sft_loss(model, seqs, sft_roles, d, tok.pad_token_id, cfg.chunk_size)
             norm, ok = optimizer_step(model, optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)

@@ -35,7 +35,8 @@ def tasks(n=2):
 
 
 class Script:
-    """Per-row segment scripts. A segment is a list of items: str = forced text, int = free tokens."""
+    """Per-row segment scripts. A segment is a list of items: str = forced text, int = free tokens,
+    list = forced token ids."""
 
     def __init__(self, tok, act: dict, world: dict | None = None, eos_after=True):
         self.tok = tok
@@ -55,6 +56,8 @@ class Script:
         for it in items:
             if isinstance(it, str):
                 out += self.tok(it, add_special_tokens=False)["input_ids"]
+            elif isinstance(it, list):
+                out += it
             else:
                 out += [None] * it
         return out

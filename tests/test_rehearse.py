@@ -200,3 +200,72 @@ def test_memory_text_and_config_validation():
         RehearsalConfig(budget=1, mode="beam")
     with pytest.raises(ValueError, match=">= 0"):
         RehearsalConfig(budget=-1)
+
+
+def _spans(ids, roles, role):
+    """Maximal runs of one role: list of token-id lists."""
+    out, cur = [], None
+    for i, r in zip(ids, roles):
+        if r == role:
+            if cur is None:
+                cur = []
+                out.append(cur)
+            cur.append(i)
+        else:
+            cur = None
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_warm_start_examples_are_laid_out_as_test_time_rehearsal(eng, micro64, seed):
+    """Script the test-time rehearsal (sequential, budget 1) to write what the warm-start examples hold; the
+    model must then see exactly the examples' token ids: the private assessment context and the
+    memory-prefixed committed turn. Any drift in either layout makes the warm start teach a wrong format."""
+    import random
+
+    from bench import toyworld
+    _, tok = micro64
+    task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
+    messages = toyworld.reference_trajectory(task)
+    assess_ex, memory_ex = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env,
+                                                        random.Random(seed), budgets=(1,))
+    proposal, assessment = _spans(*assess_ex, Role.ACT)
+    (world,) = _spans(*assess_ex, Role.WORLD)
+    committed = _spans(*memory_ex, Role.ACT)[-1]
+    assert proposal[-1] == assessment[-1] == committed[-1] == eng.fmt.eos_id
+    script = Script(tok, {0: [[committed[:-1]], ["done"]], 1: [[proposal[:-1]], [assessment[:-1]]]},
+                    {1: [[world]]})
+    contexts, ctx = [], []
+
+    def record(module, args, kwargs):   # rebuild the context from what is fed (batch 1 in sequential mode)
+        nonlocal ctx
+        cache = kwargs.get("cache") or kwargs.get("past_key_values")
+        n = cache.get_seq_length() if cache is not None else 0
+        if n < len(ctx):
+            contexts.append(ctx)         # a crop: the private (or memory) context ends here
+        ctx = ctx[:n] + kwargs["input_ids"][0].tolist()
+
+    handle = eng.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), toyworld.make_env(task),
+                 RehearsalConfig(budget=1, mode="sequential"), steer=script)
+    finally:
+        handle.remove()
+    assert ep.stats["rehearsals"] >= 1
+    assert contexts[0] + [eng.fmt.eos_id] == assess_ex[0]
+    assert contexts[1] + [eng.fmt.eos_id] == memory_ex[0]
+    assert ep.trajectory.calls[0].name == "get_balance"
+
+
+def test_perturbed_arguments_differ_and_assessments_follow_the_rule():
+    import random
+    rng = random.Random(0)
+    for args in ({"account": "ann"}, {"src": "ann", "dst": "bob", "amount": 5}, {"qty": 1}, {"item": "pen"}):
+        for _ in range(50):
+            out = rehearse.perturb_arguments(args, ["ann", "bob", "cal"], rng)
+            assert out != args and set(out) == set(args)
+            assert sum(out[k] != args[k] for k in args) == 1
+    assert rehearse.perturb_arguments({"flag": True}, [], rng) == {"flag": True}
+    assert rehearse.assessment_for(True, '{"error": "x"}') == rehearse.ASSESS_OK
+    assert rehearse.assessment_for(False, '{"error": "x"}') == rehearse.ASSESS_ERROR
+    assert rehearse.assessment_for(False, '{"balance": 3}') == rehearse.ASSESS_WRONG
