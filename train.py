@@ -220,6 +220,7 @@ class TrainConfig:
     sft_roles: str = "act,world"
     seed: int = 0
     save_every: int = 20
+    keep_checkpoints: int = 3        # older step_N folders are removed after each save; 0 keeps all
     chunk_size: int = 1024
     max_bad_steps: int = 3           # consecutive non-finite steps before the run stops
     overwrite: bool = False
@@ -297,6 +298,8 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-warmup must be >= 0, got {cfg.sft_warmup}")
     if cfg.sft_rehearsal_frac != -1.0 and not 0 <= cfg.sft_rehearsal_frac <= 1:
         raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1] (or -1: auto), got {cfg.sft_rehearsal_frac}")
+    if cfg.keep_checkpoints < 0:
+        raise ConfigError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints}")
     for name in ("kl_coef", "dual_clip", "defect_penalty", "weight_decay", "act_weight", "world_weight"):
         if not math.isfinite(getattr(cfg, name)) or getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
@@ -547,6 +550,12 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_atomic(run / "latest", f"ckpt/{name}\n")
+        if cfg.keep_checkpoints > 0:
+            for old in sorted((run / "ckpt").glob("step_*"))[:-cfg.keep_checkpoints]:
+                if old != final:   # hidden first, then deleted: a visible checkpoint is never half-removed
+                    trash = old.with_name(f".trash-{old.name}")
+                    os.replace(old, trash)
+                    shutil.rmtree(trash, ignore_errors=True)
     if d.world > 1:
         dist.barrier()
     return final

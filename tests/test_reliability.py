@@ -630,6 +630,8 @@ TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfi
     (["--defect-penalty", "nan"], "--defect-penalty"), (["--weight-decay", "-1"], "--weight-decay"),
     (["--act-weight", "-1"], "--act-weight"), (["--world-weight", "inf"], "--world-weight"),
     (["--overwrite=yes"], "--overwrite"), (["--scale-std=no"], "--scale-std"), (["--per-role-adv", "1"], "unrecognized"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints"), (["--beta2", "1"], "--beta2"), (["--beta2", "nan"], "--beta2"), (["--sft-warmup", "-1"], "--sft-warmup"),
+    (["--sft-rehearsal-frac", "1.5"], "--sft-rehearsal-frac"), (["--sft-rehearsal-frac", "nan"], "--sft-rehearsal-frac"),
     (["--no-such-flag"], "unrecognized"),
 ]
 
@@ -818,3 +820,13 @@ def test_out_of_memory_names_the_flags_that_reduce_memory(micro_path, tmp_path, 
     for flag in ("--micro-batch", "--group-size", "--max-new-tokens", "--max-total-len", "--chunk-size"):
         assert flag in lines[0]
     assert check_checkpoints(tmp_path / "oom") == 1        # the step before stays resumable
+
+
+def test_only_the_newest_checkpoints_are_kept(micro_path, tmp_path):
+    run = tmp_path / "run"
+    res = run_train(tiny_args(micro_path, run, sft=4, steps=1, extra=["--keep-checkpoints", "2"]))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step_000004", "step_000005"]
+    assert check_checkpoints(run) == 5
+    res = run_train(tiny_args(micro_path, tmp_path / "all", sft=3, steps=0, extra=["--keep-checkpoints", "0"]))
+    assert res.returncode == 0 and len(list((tmp_path / "all" / "ckpt").glob("step_*"))) == 3
