@@ -88,7 +88,7 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--grpo-steps", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--tasks-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--eval-limit", type=int, default=32)
