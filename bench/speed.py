@@ -1,6 +1,6 @@
 """Speed and memory of the pieces that make agentic RL fast: one run, reported as ratios.
 
-    python bench/speed.py                 # CPU default (~10 minutes on 2 cores), writes runs/speed/speed.json
+    python bench/speed.py                 # CPU default (~3 minutes on 2 idle cores), writes runs/speed/speed.json
     python bench/speed.py --quick         # CPU, under a minute
     python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
     python bench/speed.py --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
