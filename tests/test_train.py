@@ -137,13 +137,14 @@ def test_grpo_raises_the_reward_of_a_trivially_learnable_target(micro_path):
         return ro, torch.tensor([float(f % 2 == 0) for f in first])
 
     before = torch.cat([rollout_and_reward(1000 + s)[1] for s in range(3)]).mean()
-    for step in range(12):
+    for step in range(24):
         ro, r = rollout_and_reward(step)
         adv, _ = train.role_advantages(r, torch.tensor(ro.task_index), ro.roles, [Role.ACT], True, False)
         train.policy_gradient(model, train.Batch(ro.ids, ro.roles, ro.logprobs, adv), [Role.ACT],
                               train.LossConfig(), d, micro_batch=32, temperature=1.0, chunk_size=256)
         train.optimizer_step(model, opt, 1.0)
     after = torch.cat([rollout_and_reward(1000 + s)[1] for s in range(3)]).mean()
+    print(f"first-token-even reward: {float(before):.3f} -> {float(after):.3f}")
     assert after > before + 0.2, (before, after)
 
 
