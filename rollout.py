@@ -20,6 +20,7 @@ observations, user turns) is tokenized, as deltas cut at special-token boundarie
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import time
 from collections import deque
@@ -36,15 +37,10 @@ from bench import Task, ToolCall, Trajectory
 def new_kv_cache():
     """A transformers Cache whose layers write into preallocated buffers (see PreallocatedKVLayer)."""
     from transformers.cache_utils import Cache
-    global _PREALLOCATED_LAYER
-    if _PREALLOCATED_LAYER is None:   # defined on first use: transformers is imported lazily
-        _PREALLOCATED_LAYER = _preallocated_layer_class()
-    return Cache(layer_class_to_replicate=_PREALLOCATED_LAYER)
+    return Cache(layer_class_to_replicate=_preallocated_layer_class())
 
 
-_PREALLOCATED_LAYER = None
-
-
+@functools.cache   # the class is defined on first use: transformers is imported lazily
 def _preallocated_layer_class():
     from transformers.cache_utils import DynamicLayer
 

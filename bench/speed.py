@@ -687,11 +687,13 @@ def main(argv=None):
         return None
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device; torch.cuda.is_available() is False")
+    text = args.chunk_sizes
     try:
-        args.chunk_sizes = [int(x) for x in args.chunk_sizes.split(",") if x.strip()]
-        assert args.chunk_sizes and min(args.chunk_sizes) > 0
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--chunk-sizes must be a comma list of positive integers, not {args.chunk_sizes!r}")
+        args.chunk_sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        args.chunk_sizes = []
+    if not args.chunk_sizes or min(args.chunk_sizes) <= 0:
+        raise SystemExit(f"--chunk-sizes must be a comma list of positive integers, not {text!r}")
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in ("rollout", "logprob", "grpo")]
     if bad:
