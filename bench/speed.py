@@ -1,6 +1,7 @@
 """Speed and memory of the pieces that make agentic RL fast: one run, reported as ratios.
 
-    python bench/speed.py                 # CPU default (~3 minutes on 2 idle cores), writes runs/speed/speed.json
+    python bench/speed.py                 # CPU default (~12 minutes on 2 idle cores), writes runs/speed/speed.json
+    python bench/speed.py --workloads toyworld   # without the tau2 workload (~3 minutes)
     python bench/speed.py --quick         # CPU, under a minute
     python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
     python bench/speed.py --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
@@ -12,11 +13,16 @@
                hf       HF `model.generate` once per turn on the re-encoded full context, then the turn's
                         tokens and the observation are appended (what TRL's transformers path does)
                nocache  Engine.run(use_cache=False): every sampling step re-encodes every row
-             The trajectories are toyworld tasks executed against the real environment; each assistant turn
-             is a scripted tool call whose argument is the model's own choice (free slots), the last turn a
-             short answer. `hf` appends exactly the scaffolding + observation tokens the cached run produced
-             (no parsing or environment work is timed for it, which favours it) and we check that the ids
-             it generates itself are identical to the cached run's.
+             Two workloads, every call executed by the real environment:
+               toyworld the embedded toy world: ~100-token prompts, ~20-token observations; each assistant
+                        turn is get_balance with a model-chosen account (free slots), the last a short answer
+               tau2     a real tau2 airline task: the package's agent prompt (policy + 14 tool schemas, ~20k
+                        characters, ~8.4k tokens of the tiny tokenizer), each turn two model-chosen tokens then
+                        the task's next reference call with its real arguments, executed by the package's
+                        environment (observations of ~50-730 tokens): the context sizes the paper trains on
+             `hf` appends exactly the scaffolding + observation tokens the cached run produced (no parsing or
+             environment work is timed for it, which favours it) and we check that the ids it generates
+             itself are identical to the cached run's.
              Counted for every method: wall seconds, sampled tokens/s, positions processed (every position of
              every forward, padding included) and forward FLOPs (every nn.Linear, plus dense attention
              4 * layers * B * Q * K * heads * head_dim).
@@ -51,6 +57,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# `python bench/speed.py` puts bench/ itself first on sys.path, where bench/tau2.py would shadow the tau2 package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -66,11 +74,13 @@ from tests.scripted import Script, call_text  # noqa: E402
 
 # ~11M parameters (hidden 384, 6 layers, vocab 4096): the small end of the 10-50M range, which is the
 # conservative end for the cached/hf ratio (a bigger model makes re-encoding relatively more expensive).
+# Positions up to 32k: the tau2 workload's contexts reach ~13k tiny-tokenizer tokens at 8 turns.
 CPU_MODEL = policy.TinyConfig(hidden_size=384, intermediate_size=1152, num_hidden_layers=6,
-                              num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+                              num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                              max_position_embeddings=32768)
 QUICK_MODEL = policy.TinyConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, corpus_tasks=300,
-                                vocab_size=2048)
+                                vocab_size=2048, max_position_embeddings=32768)
 
 # Real Qwen3 architectures (random weights: nothing is downloaded), vocab 151936.
 ARCHS = {
@@ -87,20 +97,25 @@ ARCHS = {
 QWEN3_VOCAB = 151936
 
 PRESETS = {
-    # turns, groups (rows = tasks * group), nocache cells, logprob cells (vocab, seq), naive memory limit
-    # arch_vocab: the smoke test runs the --gpu construction with a smaller vocab, to stay fast on CPU
-    "smoke": dict(turns=[1, 2], groups=[2], tasks=1, nocache=[(1, 2)], logprob=[(4096, 512)], logprob_hidden=64,
-                  arch_vocab=8192,
+    # rollout: per workload, the turns and group sizes measured (rows = tasks * group) and the (turns, group)
+    # cells also run without a cache; logprob: (vocab, seq) cells; arch_vocab: the smoke test runs the --gpu
+    # construction with a smaller vocab, to stay fast on CPU
+    "smoke": dict(rollout={"toyworld": dict(turns=[1, 2], groups=[2], nocache=[(1, 2)]),
+                           "tau2": dict(turns=[2], groups=[2], nocache=[])},
+                  tasks=1, logprob=[(4096, 512)], logprob_hidden=64, arch_vocab=8192,
                   grpo_tasks=1, grpo_group=2, grpo_steps=1, grpo_warmup=0),
-    "quick": dict(turns=[1, 4], groups=[4], tasks=1, nocache=[(1, 4)],
-                  logprob=[(32768, 2048)], logprob_hidden=64,
+    "quick": dict(rollout={"toyworld": dict(turns=[1, 4], groups=[4], nocache=[(1, 4)])},
+                  tasks=1, logprob=[(32768, 2048)], logprob_hidden=64,
                   grpo_tasks=2, grpo_group=2, grpo_steps=1, grpo_warmup=0),
-    # nocache re-encodes every row at every step: 4 turns already cost ~100x the cached run, so it stops there
-    "default": dict(turns=[1, 4, 8, 16], groups=[4, 16], tasks=1, nocache=[(1, 4), (4, 4)],
-                    logprob=[(32768, 4096), (32768, 16384), (QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 16384)],
+    # nocache re-encodes every row at every step: 4 turns already cost ~100x the cached run, so it stops there.
+    # tau2's HF baseline re-encodes ~9-13k tokens per row and turn (~25-45 s a turn at G=4 on 2 cores): G=4 only.
+    "default": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[4, 16], nocache=[(1, 4), (4, 4)]),
+                             "tau2": dict(turns=[1, 4, 8], groups=[4], nocache=[])},
+                    tasks=1, logprob=[(32768, 4096), (32768, 16384), (QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 16384)],
                     logprob_hidden=128, grpo_tasks=4, grpo_group=4, grpo_steps=3, grpo_warmup=1),
-    "gpu": dict(turns=[1, 4, 8, 16], groups=[8, 32], tasks=1, nocache=[(1, 8), (4, 8), (8, 8)],
-                logprob=[(QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 8192), (QWEN3_VOCAB, 16384)],
+    "gpu": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[8, 32], nocache=[(1, 8), (4, 8), (8, 8)]),
+                         "tau2": dict(turns=[1, 4, 8, 16], groups=[8], nocache=[(1, 8)])},
+                tasks=1, logprob=[(QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 8192), (QWEN3_VOCAB, 16384)],
                 logprob_hidden=None, grpo_tasks=4, grpo_group=8, grpo_steps=3, grpo_warmup=1),
 }
 
@@ -215,10 +230,6 @@ class Meter:
 # 1. Multi-turn rollout throughput
 
 
-def rollout_tasks(n_tasks: int):
-    # toyworld tasks with no assistant-turn limit of their own: the sampling config sets the number of turns
-    return [dataclasses.replace(t, max_assistant_turns=None) for t in toyworld.load_tasks("test", limit=n_tasks)]
-
 
 class FastScript(Script):
     """tests/scripted.Script with its segment plans tokenized once, not at every step (the steering hook's
@@ -242,11 +253,57 @@ class FastScript(Script):
         return self._plans[key]
 
 
-def turn_script(tok, n_rows: int, turns: int) -> Script:
-    """turns-1 tool calls (get_balance with a model-chosen account name), then a short answer, every row."""
-    call = [call_text("get_balance", '{"account": "'), 3, '"}}\n</tool_call>']
-    answer = ["The balance is ", 2]
-    return FastScript(tok, {r: [call] * (turns - 1) + [answer] for r in range(n_rows)})
+@dataclasses.dataclass
+class Workload:
+    """What the scripted rollouts run on: tasks, their real environment, and the script of each assistant turn
+    (items as in tests/scripted.Script: str forced text, int model-chosen alphanumeric tokens)."""
+    name: str
+    about: str
+    tasks: list            # with no assistant-turn limit of their own: the sampling config sets the turns
+    make_env: object       # task -> a fresh environment; every call is executed for real
+    calls: list            # the tool-call turns' scripts, cycled
+    answer: list           # the last turn's script
+
+    def script(self, tok, n_rows: int, turns: int) -> Script:
+        """turns-1 tool-call turns, then the answer, the same for every row."""
+        plan = [self.calls[k % len(self.calls)] for k in range(turns - 1)] + [self.answer]
+        return FastScript(tok, {r: plan for r in range(n_rows)})
+
+    def longest_turn(self, tok) -> int:
+        return max(len(FastScript(tok, {}).plan(items)) for items in self.calls + [self.answer])
+
+
+def toyworld_workload(n_tasks: int) -> Workload:
+    tasks = [dataclasses.replace(t, max_assistant_turns=None) for t in toyworld.load_tasks("test", limit=n_tasks)]
+    return Workload("toyworld", "toy world: ~100-token prompt, get_balance with a model-chosen account, "
+                    "~20-token observations", tasks, toyworld.make_env,
+                    calls=[[call_text("get_balance", '{"account": "'), 3, '"}}\n</tool_call>']],
+                    answer=["The balance is ", 2])
+
+
+def tau2_workload(n_tasks: int) -> Workload:
+    """Real tau2 airline tasks: the package's agent prompt (policy + 14 tool schemas, ~20k characters) and, as
+    the assistant's calls, the task's reference calls with their real arguments, executed by the package's
+    environment (observations of a few hundred tokens). Each turn opens with two model-chosen tokens."""
+    from bench import tau2
+    picked = []
+    for task in tau2.load_tasks("test", domain="airline"):
+        if len(tau2.ground_truth_trajectory(task).calls) >= 3:
+            picked.append(dataclasses.replace(task, max_assistant_turns=None))
+        if len(picked) == n_tasks:
+            break
+    reference = tau2.ground_truth_trajectory(picked[0]).calls
+    calls = [[2, "\n" + call_text(c.name, json.dumps(c.arguments)) + "}\n</tool_call>"] for c in reference]
+
+    def make_env(task):   # the simulated user ends the episode after the answer
+        return tau2.make_env(task, user_fn=lambda messages, tools=None: "###STOP###")
+
+    return Workload("tau2", f"tau2 airline ({picked[0].id}): the package's ~20k-character agent prompt, the "
+                    "reference calls executed for real (observations of ~50-730 tokens)", picked, make_env,
+                    calls=calls, answer=["Your request is done. ", 2])
+
+
+WORKLOADS = {"toyworld": toyworld_workload, "tau2": tau2_workload}
 
 
 class ScriptProcessor:
@@ -266,7 +323,7 @@ def act_spans(rollout, b):
     return [s for s in rollout.spans[b] if s.role == Role.ACT]
 
 
-def hf_per_turn(model, tok, engine, tasks, group, ref, cfg, script_rows):
+def hf_per_turn(model, tok, engine, workload, group, ref, cfg, script_rows):
     """Per turn: model.generate on the whole re-encoded context, then append the turn and the observation.
 
     The observation (and scaffolding) tokens between two assistant turns are taken from `ref` (the cached
@@ -276,11 +333,11 @@ def hf_per_turn(model, tok, engine, tasks, group, ref, cfg, script_rows):
 
     device = next(model.parameters()).device
     pad, eos = tok.pad_token_id, tok.eos_token_id
-    prompts = [engine.prompt_ids(t) for t in tasks for _ in range(group)]     # task-major, like Engine.run
+    prompts = [engine.prompt_ids(t) for t in workload.tasks for _ in range(group)]   # task-major, like Engine.run
     seqs = [list(p) for p in prompts]
     spans = [act_spans(ref, b) for b in range(len(seqs))]
     ref_ids = [ref.ids[b].tolist() for b in range(len(seqs))]
-    script = turn_script(tok, len(seqs), script_rows)
+    script = workload.script(tok, len(seqs), script_rows)
     n_turns = max(len(s) for s in spans)
     sampled, mismatched, compared = 0, 0, 0
     for t in range(n_turns):
@@ -310,11 +367,12 @@ def hf_per_turn(model, tok, engine, tasks, group, ref, cfg, script_rows):
     return {"sampled_tokens": sampled, "turns_compared": compared, "turns_mismatched": mismatched}
 
 
-def run_engine(model, tok, tasks, group, turns, cfg, use_cache):
+def run_engine(model, tok, workload, group, turns, cfg, use_cache):
     engine = Engine(model, tok)
-    n_rows = len(tasks) * group
-    return engine.run(tasks, group, cfg=dataclasses.replace(cfg, max_turns=turns), make_env=toyworld.make_env,
-                      world="real", use_cache=use_cache, steer=turn_script(tok, n_rows, turns))
+    n_rows = len(workload.tasks) * group
+    return engine.run(workload.tasks, group, cfg=dataclasses.replace(cfg, max_turns=turns),
+                      make_env=workload.make_env, world="real", use_cache=use_cache,
+                      steer=workload.script(tok, n_rows, turns))
 
 
 def measure(model, fn):
@@ -331,25 +389,42 @@ def measure(model, fn):
 
 
 def bench_rollout(model, tok, preset, log):
-    cfg = SamplingConfig(greedy=True, max_new_tokens=48, max_total_len=8192, seed=0)
-    engine = Engine(model, tok)
-    run_engine(model, tok, rollout_tasks(1), 2, 2, cfg, True)      # warm-up (first-call overheads)
+    """Every workload of the preset; a workload whose benchmark package is missing is skipped with a note."""
+    from bench import BenchUnavailable
     cells = []
-    nocache = set(map(tuple, preset["nocache"]))
-    for group in preset["groups"]:
-        for turns in preset["turns"]:
-            tasks = rollout_tasks(preset["tasks"])
-            ref, a = measure(model, lambda: run_engine(model, tok, tasks, group, turns, cfg, True))
+    for name, spec in preset["rollout"].items():
+        try:
+            workload = WORKLOADS[name](preset["tasks"])
+        except BenchUnavailable as exc:
+            log(f"workload {name} skipped: {exc}")
+            continue
+        log(f"\n{workload.about}")
+        log(ROLLOUT_HEADER)
+        cells += bench_workload(model, tok, workload, spec, log)
+    return cells
+
+
+def bench_workload(model, tok, workload, spec, log):
+    cfg = SamplingConfig(greedy=True, max_new_tokens=max(48, workload.longest_turn(tok) + 8),
+                         max_total_len=model.config.max_position_embeddings, seed=0)
+    engine = Engine(model, tok)
+    run_engine(model, tok, workload, 2, 2, cfg, True)      # warm-up (first-call overheads)
+    cells = []
+    nocache = set(map(tuple, spec["nocache"]))
+    for group in spec["groups"]:
+        for turns in spec["turns"]:
+            ref, a = measure(model, lambda: run_engine(model, tok, workload, group, turns, cfg, True))
             a["sampled_tokens"] = ref.stats["tokens_sampled"]
-            cell = {"turns": turns, "group": group, "rows": len(tasks) * group,
+            cell = {"workload": workload.name, "turns": turns, "group": group, "rows": len(workload.tasks) * group,
                     "turns_done": min(len(act_spans(ref, b)) for b in range(len(ref.spans))),
+                    "end_reasons": sorted(set(ref.end_reasons)),
                     "context_tokens": int(ref.lengths.float().mean()), "cached": a}
-            hf_out, b = measure(model, lambda: hf_per_turn(model, tok, engine, tasks, group, ref, cfg, turns))
+            hf_out, b = measure(model, lambda: hf_per_turn(model, tok, engine, workload, group, ref, cfg, turns))
             b.update(hf_out)
             cell["hf"] = b
             cell["identical_ids"] = hf_out["turns_mismatched"] == 0
             if (turns, group) in nocache:
-                nc, c = measure(model, lambda: run_engine(model, tok, tasks, group, turns, cfg, False))
+                nc, c = measure(model, lambda: run_engine(model, tok, workload, group, turns, cfg, False))
                 c["sampled_tokens"] = nc.stats["tokens_sampled"]
                 c["identical_ids"] = bool(torch.equal(nc.ids, ref.ids))
                 cell["nocache"] = c
@@ -649,10 +724,11 @@ def summarize(result):
     out = {}
     cells = result.get("rollout", [])
     for c in cells:
-        out[f"rollout_speedup_vs_hf_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_hf"], 3)
+        out[f"rollout_speedup_vs_hf_{c['workload']}_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_hf"], 3)
     for c in cells:
         if "speedup_vs_nocache" in c:
-            out[f"rollout_speedup_vs_nocache_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_nocache"], 3)
+            out[f"rollout_speedup_vs_nocache_{c['workload']}_t{c['turns']}_g{c['group']}"] = round(
+                c["speedup_vs_nocache"], 3)
     for c in result.get("logprob", []):
         if "memory_ratio" in c:
             out[f"logprob_memory_ratio_v{c['vocab']}_t{c['seq']}_chunk{c['chunk_size']}"] = round(c["memory_ratio"], 4)
@@ -670,6 +746,8 @@ def main(argv=None):
     p.add_argument("--attn", default=None, help="comma list of attention implementations "
                    "(default: sdpa on CPU; sdpa and flash_attention_2 if installed on GPU)")
     p.add_argument("--parts", default="rollout,logprob,grpo", help="comma list of: rollout, logprob, grpo")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma list of rollout workloads ({', '.join(WORKLOADS)}; default: the preset's)")
     p.add_argument("--out", default="runs/speed/speed.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="the smallest run (the test suite's smoke test)")
@@ -703,8 +781,17 @@ def main(argv=None):
     if args.gpu and not args.arch:
         args.arch = "qwen3-1.7b"
     if args.gpu and (args.quick or args.smoke):
-        preset = dict(preset, turns=[1, 4], groups=[8], nocache=[(1, 8)], logprob=[(QWEN3_VOCAB, 4096)],
+        preset = dict(preset, rollout={"toyworld": dict(turns=[1, 4], groups=[8], nocache=[(1, 8)]),
+                                       "tau2": dict(turns=[4], groups=[8], nocache=[])},
+                      logprob=[(QWEN3_VOCAB, 4096)],
                       grpo_steps=1, grpo_warmup=1)
+    if args.workloads is not None:
+        chosen = [x for x in args.workloads.split(",") if x]
+        bad = [x for x in chosen if x not in WORKLOADS]
+        if bad or not chosen:
+            raise ValueError(f"unknown workload(s) {bad or args.workloads!r}; choose from {', '.join(WORKLOADS)}")
+        # a workload the preset does not size runs with the toy world's cells
+        preset = dict(preset, rollout={x: preset["rollout"].get(x, preset["rollout"]["toyworld"]) for x in chosen})
     device = torch.device("cuda" if args.gpu else "cpu")
     dtype = torch.bfloat16 if args.gpu else torch.float32
     if args.attn:
@@ -768,7 +855,6 @@ def main(argv=None):
                 log(f"\n== {model_name}: {n_params(model) / 1e6:.1f}M params, {attn}, {dtype}, {device}")
                 if "rollout" in parts:
                     log("\n-- 1. multi-turn rollout: sampled tokens/s; x hf / x nc = cached speedup (wall time)")
-                    log(ROLLOUT_HEADER)
                     attempt("rollout", lambda: bench_rollout(model, tok, preset, log))
                 if "grpo" in parts:
                     log("\n-- 3. one GRPO step on toyworld (rehearsal rollout), median seconds per phase")

@@ -24,7 +24,7 @@ def test_rollout_fields_and_same_tokens(smoke):
     run = smoke["runs"]["sdpa"]
     assert run["model"]["vocab"] == speed.PRESETS["smoke"]["arch_vocab"]
     cells = run["rollout"]
-    assert [c["turns"] for c in cells] == [1, 2]
+    assert [(c["workload"], c["turns"]) for c in cells] == [("toyworld", 1), ("toyworld", 2), ("tau2", 2)]
     for c in cells:
         assert c["identical_ids"], "HF generate per turn did not reproduce the cached engine's token ids"
         for method in ("cached", "hf"):
@@ -37,12 +37,34 @@ def test_rollout_fields_and_same_tokens(smoke):
         assert c["cached"]["positions"] < c["hf"]["positions"]
         assert c["cached"]["tflops"] < c["hf"]["tflops"]
         assert c["speedup_vs_hf"] > 0 and c["flops_ratio_hf"] > 1
+        assert c["turns_done"] == c["turns"] and c["end_reasons"] == ["final_answer"]
     nc = [c for c in cells if "nocache" in c]
     assert nc and all(c["nocache"]["identical_ids"] for c in nc)
     assert all(c["nocache"]["positions"] > c["cached"]["positions"] for c in nc)
-    assert cells[-1]["turns_done"] == 2
-    assert "rollout_speedup_vs_hf_t2_g2" in run["summary"]
+    assert "rollout_speedup_vs_hf_toyworld_t2_g2" in run["summary"]
     assert "1. multi-turn rollout" in smoke["table"]
+
+
+def test_tau2_workload_is_real_and_long(smoke):
+    """The tau2 cell runs the package's own prompt on a long context; its scripted calls are the task's
+    reference calls, which the package's environment answers with real records."""
+    from bench import tau2
+    tau2_cell = next(c for c in smoke["runs"]["sdpa"]["rollout"] if c["workload"] == "tau2")
+    toy_cell = next(c for c in smoke["runs"]["sdpa"]["rollout"] if c["workload"] == "toyworld" and c["turns"] == 2)
+    assert tau2_cell["context_tokens"] > 20 * toy_cell["context_tokens"]
+    # the HF baseline re-encodes the long prompt for every row and turn; the engine prefills it once per task
+    assert tau2_cell["hf"]["positions"] > 3 * tau2_cell["cached"]["positions"]
+    workload = speed.tau2_workload(1)
+    task = workload.tasks[0]
+    call = tau2.ground_truth_trajectory(task).calls[0]
+    assert workload.calls[0] == [2, "\n" + speed.call_text(call.name, json.dumps(call.arguments)) + "}\n</tool_call>"]
+    observation = workload.make_env(task).step(call.name, call.arguments)
+    assert call.arguments["user_id"] in observation and "error" not in observation.lower()[:40]
+
+
+def test_bad_workload_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="toyworld, tau2"):
+        speed.main(["--smoke", "--workloads", "toyworld,bogus", "--out", str(tmp_path / "x.json")])
 
 
 def test_grpo_phases(smoke):
