@@ -114,7 +114,8 @@ PRESETS = {
                     tasks=1, logprob=[(32768, 4096), (32768, 16384), (QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 16384)],
                     logprob_hidden=128, grpo_tasks=4, grpo_group=4, grpo_steps=3, grpo_warmup=1),
     "gpu": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[8, 32], nocache=[(1, 8), (4, 8), (8, 8)]),
-                         "tau2": dict(turns=[1, 4, 8, 16], groups=[8], nocache=[(1, 8)])},
+                         # no nocache cell: its full-sequence logits would be [8, ~9k, 151936]
+                         "tau2": dict(turns=[1, 4, 8, 16], groups=[8], nocache=[])},
                 tasks=1, logprob=[(QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 8192), (QWEN3_VOCAB, 16384)],
                 logprob_hidden=None, grpo_tasks=4, grpo_group=8, grpo_steps=3, grpo_warmup=1),
 }
