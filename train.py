@@ -237,7 +237,7 @@ class TrainConfig:
         return c
 
 
-SFT_TINY_STEPS = 800   # the tiny model's copy transition happens around steps 300-600 at sft_lr 5e-3 (README)
+SFT_TINY_STEPS = 800   # the copy transition came at steps ~280-575 on one machine, later on another (README)
 ROLE_NAMES = {"act": Role.ACT, "world": Role.WORLD}
 
 
