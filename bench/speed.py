@@ -1,6 +1,6 @@
 """Speed and memory of the pieces that make agentic RL fast: one run, reported as ratios.
 
-    python bench/speed.py                 # CPU default (~12 minutes on 2 idle cores), writes runs/speed/speed.json
+    python bench/speed.py                 # CPU default (~13 minutes on 2 cores), writes runs/speed/speed.json
     python bench/speed.py --workloads toyworld   # without the tau2 workload (~3 minutes)
     python bench/speed.py --quick         # CPU, under a minute
     python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
@@ -229,7 +229,6 @@ class Meter:
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Multi-turn rollout throughput
-
 
 
 class FastScript(Script):
