@@ -237,7 +237,7 @@ class TrainConfig:
         return c
 
 
-SFT_TINY_STEPS = 800   # the copy transition came at steps ~280-575 on one machine, later on another (README)
+SFT_TINY_STEPS = 1600  # copy transition at ~280-575 on one machine, ~800-1200 on another; gains go on to 1800 (README)
 ROLE_NAMES = {"act": Role.ACT, "world": Role.WORLD}
 
 
