@@ -21,13 +21,8 @@ LIMIT, FAMILIES = 16, "balance,send"
 EVAL = ["--bench", "toyworld", "--greedy", "--limit", str(LIMIT), "--opt", f"families={FAMILIES}", "--no-fidelity"]
 
 
-def gold_calls(task):
-    return [tc["function"] for m in toyworld.reference_trajectory(task) if m["role"] == "assistant"
-            for tc in m.get("tool_calls") or []]
-
-
 def follows_protocol(row, task) -> bool:
-    gold = gold_calls(task)
+    gold = task.ground_truth["calls"]
     calls = row["calls"]
     return (row["end_reason"] == "final_answer" and [c["name"] for c in calls] == [g["name"] for g in gold]
             and all(set(c["arguments"]) == set(g["arguments"]) for c, g in zip(calls, gold)))
@@ -46,7 +41,7 @@ def evaluate_model(tmp_path, name, model):
 
 def test_follows_protocol_only_when_gold_calls_match():
     task = toyworld.load_tasks("test", limit=2, families="send")[0]
-    gold = gold_calls(task)
+    gold = task.ground_truth["calls"]
     assert len(gold) == 1 and gold[0]["name"] == "transfer"
     row = {"end_reason": "final_answer", "calls": [dict(gold[0])]}
     assert follows_protocol(row, task)
