@@ -161,7 +161,7 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "zqx_probe", "descript
                                                   "parameters": {"type": "object", "properties": {}}}}]
 
 
-def derive_turn_format(tok) -> TurnFormat:
+def derive_turn_format(tok, template_kwargs: dict | None = None) -> TurnFormat:
     """Render placeholder conversations with the model's own template and cut out the scaffolding.
 
     Checks that every context before the latest assistant message is a prefix of every longer rendering
@@ -174,7 +174,8 @@ def derive_turn_format(tok) -> TurnFormat:
 
     def render(messages, gen):
         try:
-            return tok.apply_chat_template(messages, tools=_PROBE_TOOLS, tokenize=False, add_generation_prompt=gen)
+            return tok.apply_chat_template(messages, tools=_PROBE_TOOLS, tokenize=False, add_generation_prompt=gen,
+                                           **(template_kwargs or {}))
         except Exception as exc:
             raise TemplateError(f"the chat template failed to render a probe conversation: {exc}") from exc
 
@@ -459,9 +460,11 @@ class _Row:
 class Engine:
     """Holds the model, tokenizer and derived template pieces; `run` does the rollouts."""
 
-    def __init__(self, model, tok):
+    def __init__(self, model, tok, template_kwargs: dict | None = None):
+        """template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3)."""
         self.model, self.tok = model, tok
-        self.fmt = derive_turn_format(tok)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.fmt = derive_turn_format(tok, self.template_kwargs)
         self._piece = {}
         self.world_stop_ids = self.encode(rehearse.world_stop_text(self.fmt.obs_end), scaffold=True)
         stops = {self.fmt.eos_id}
@@ -479,7 +482,7 @@ class Engine:
 
     def prompt_ids(self, task: Task) -> list[int]:
         return self.tok.apply_chat_template(task.messages, tools=task.tools or None, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+                                            tokenize=True, return_dict=False, **self.template_kwargs)
 
     # -- host logic run when a row's generated segment ends --------------------------------------------
 
@@ -802,7 +805,7 @@ def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
     agent's, so the agent's cache is what matters.
     """
     cfg = cfg or SamplingConfig(temperature=0.6, top_p=0.95)
-    engine = Engine(engine.model, engine.tok)   # its own state: it runs while the agent's rollout is paused
+    engine = Engine(engine.model, engine.tok, engine.template_kwargs)   # its own state: it runs while the agent's rollout is paused
     calls = [0]
 
     def user_fn(messages, tools=None):
@@ -849,9 +852,10 @@ def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tup
         m = rest[i]
         if m["role"] == "assistant":
             before = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **engine.template_kwargs)
             history.append(m)
-            after = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False)
+            after = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False,
+                                            **engine.template_kwargs)
             body = after[len(before):]
             body = body[: body.rfind(tok.eos_token)]
             add(body, Role.ACT, scaffold=True)
