@@ -310,7 +310,8 @@ def main(argv=None) -> int:
 
     import policy
     from bench import BenchUnavailable, load_bench
-    from rollout import Engine, TemplateError
+    from chat_format import TemplateError
+    from rollout import Engine
 
     try:
         mod = load_bench(args.bench)

@@ -102,9 +102,9 @@ def tiny_corpus(cfg: TinyConfig) -> list[str]:
     except ImportError:
         return lines
     lines += toyworld.corpus_text(cfg.corpus_tasks, seed=cfg.seed)
-    import rehearse   # the test-time rehearsal texts, so their scaffolding compresses like the template's
-    lines += [rehearse.MEMORY_HEAD, rehearse.MEMORY_TAIL, rehearse.ASSESS_PREFIX, rehearse.ASSESS_OK,
-              rehearse.ASSESS_ERROR, rehearse.ASSESS_WRONG, "    assessment: ", "-> predicted"] * 50
+    import chat_format   # the test-time rehearsal texts, so their scaffolding compresses like the template's
+    lines += [chat_format.MEMORY_HEAD, chat_format.MEMORY_TAIL, chat_format.ASSESS_PREFIX, chat_format.ASSESS_OK,
+              chat_format.ASSESS_ERROR, chat_format.ASSESS_WRONG, "    assessment: ", "-> predicted"] * 50
     render = _renderer()
     for task in toyworld.load_tasks("train", limit=max(cfg.corpus_tasks // 4, 1), seed=cfg.seed):
         lines.append(render.apply_chat_template(toyworld.reference_trajectory(task), tools=task.tools,

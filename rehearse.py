@@ -1,57 +1,22 @@
-"""Rehearsal: the policy playing the environment.
+"""Rehearsal at test time: private rehearsals before each committed turn, and the world model's fidelity.
 
-Training-time helpers (used by rollout.py while the policy writes a tool's response, role WORLD):
-`world_stop_text`, `parse_rehearsal` and `validate_rehearsal`.
+(While training, rollout.py lets the policy write tool responses itself; the text that ends a rehearsed
+response and the check of what was written live in chat_format.py, with the rest of the chat format.)
 """
 from __future__ import annotations
 
+import copy
 import json
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
-# Kinds of defect a rehearsed response can have; train.py may penalise each by a configurable amount.
-REHEARSAL_DEFECTS = ("empty", "unterminated", "invalid_json")
+import torch
 
-
-def world_stop_text(obs_end: str) -> str:
-    """The tag that ends a rehearsed response: the template's closing text, e.g. '</tool_response>'."""
-    return obs_end.strip()
-
-
-@dataclass
-class RehearsalCheck:
-    text: str                     # the rehearsed observation, closing tag removed
-    defects: list[str] = field(default_factory=list)
-
-
-def parse_rehearsal(generated: str, obs_end: str, terminated: bool, expect_json: bool = True) -> RehearsalCheck:
-    """Turn the WORLD tokens' text into an observation and name its defects.
-
-    `terminated` is whether generation stopped on the closing tag (not on EOS or the token limit). Tools in
-    our benchmarks answer JSON; `expect_json=False` for tools that return plain text.
-    """
-    stop = world_stop_text(obs_end)
-    text = generated
-    if terminated and text.endswith(stop):
-        text = text[: -len(stop)]
-        head = obs_end[: obs_end.find(stop)]  # the whitespace the template puts before the tag
-        if head and text.endswith(head):
-            text = text[: -len(head)]
-    return RehearsalCheck(text=text, defects=validate_rehearsal(text, terminated, expect_json))
-
-
-def validate_rehearsal(text: str, terminated: bool, expect_json: bool = True) -> list[str]:
-    defects = []
-    if not terminated:
-        defects.append("unterminated")
-    if not text.strip():
-        defects.append("empty")
-    elif expect_json:
-        try:
-            json.loads(text)
-        except (ValueError, RecursionError):   # RecursionError: nesting too deep to decode
-            defects.append("invalid_json")
-    return defects
-
+import rollout
+from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
+                         ChatFormat, validate_rehearsal)
+from rollout import Role, SamplingConfig, encode_conversation, new_kv_cache, ragged_chunk, sample
 
 # ==========================================================================================================
 # Test-time private rehearsal (evaluate.py)
@@ -90,16 +55,6 @@ def validate_rehearsal(text: str, terminated: bool, expect_json: bool = True) ->
 # Costs are counted per bucket: "act" (committed), "private" (proposals, rehearsals, assessments, the
 # memory and the re-fed committed tokens) and "fidelity" (the discarded world-model probes).
 
-import copy
-import time
-from collections import deque
-
-import torch
-
-MEMORY_HEAD = "Rehearsal memory (private notes; these responses are my own predictions, nothing was executed):\n"
-MEMORY_TAIL = "Committed turn, revised by the notes above:\n"
-ASSESS_PREFIX = ("Self-assessment (private; the response above is my prediction, not a real result): does this "
-                 "call move the task forward, and what should I revise? ")
 MODES = ("parallel", "sequential")
 
 
@@ -158,11 +113,6 @@ def memory_text(records: list[dict], memory_chars: int = 240) -> str:
 # to the reference is "ok", one whose response is an error "revise: it fails", else "revise: wrong
 # arguments". The committed turn is always the reference, so the memory teaches: commit what was judged ok.
 
-ASSESS_OK = "ok: this call is right; commit it."
-ASSESS_ERROR = "revise: it fails with an error."
-ASSESS_WRONG = "revise: the arguments look wrong."
-
-
 def assessment_for(call_is_reference: bool, response: str) -> str:
     if call_is_reference:
         return ASSESS_OK
@@ -198,7 +148,6 @@ def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=
 
     A call turn of the reference is picked at random; `make_env(task)` replays the reference calls before it
     to get the real responses of the proposals. Returns [] when the chat has no single-call turn."""
-    from rollout import Role, encode_conversation
     fmt = eng.fmt
     turns = [i for i, m in enumerate(messages) if i >= len(task.messages) and m["role"] == "assistant"
              and len(m.get("tool_calls") or []) == 1]
@@ -227,24 +176,23 @@ def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=
         return prop, {"content": "", "assessment": assessment_for(prop == ref, obs),
                       "items": [{"name": prop["name"], "arguments": prop["arguments"], "predicted": obs}]}
 
-    def piece(text, role, scaffold=False):
-        p = eng.encode(text, scaffold)
-        return p, [int(role)] * len(p)
-
-    # assessment: the proposal's body as the template renders it, then the rehearsal and the judgement
+    # assessment: the proposal's body as the template renders it, then the rehearsal and the judgement, each
+    # stretch encoded as `act` encodes it (text between two generated segments in one piece)
     prop, first = rehearsal()
     obs = first["items"][0]["predicted"]
     ids, roles = encode_conversation(eng, task, messages[:t] + [_call_turn(prop)])
-    for text, role, scaffold in ((fmt.after_eos + fmt.tool_open, Role.PROMPT, True), (obs, Role.WORLD, False),
-                                 (fmt.obs_end, Role.WORLD, True), (fmt.tool_close, Role.PROMPT, True),
-                                 (ASSESS_PREFIX, Role.PROMPT, False), (first["assessment"], Role.ACT, False)):
-        p, r = piece(text, role, scaffold)
+    for pieces in ([(fmt.after_eos + fmt.tool_open, Role.PROMPT, True)],
+                   [(fmt.response_text(obs), Role.WORLD, False), (fmt.obs_end, Role.WORLD, True)],
+                   [(fmt.tool_close, Role.PROMPT, True), (ASSESS_PREFIX, Role.PROMPT, False)],
+                   [(first["assessment"], Role.ACT, False)]):
+        p, r = fmt.encode(pieces)
         ids += p
-        roles += r
+        roles += [int(x) for x in r]
     examples = [(ids + [fmt.eos_id], roles + [int(Role.ACT)])]
     # memory: that rehearsal and up to 3 more in front of the reference turn
     records = [first] + [rehearsal()[1] for _ in range(rng.choice(list(budgets)) - 1)]
-    mem, mem_roles = piece(memory_text(records), Role.PROMPT)
+    mem = fmt.encode_text(memory_text(records))
+    mem_roles = [int(Role.PROMPT)] * len(mem)
     examples.append((full_ids[:n] + mem + full_ids[n:], full_roles[:n] + mem_roles + full_roles[n:]))
     return examples
 
@@ -294,7 +242,6 @@ class _KV:
     """A KV cache (rollout.new_kv_cache) with its attention mask (holes where ragged rows were left-padded)."""
 
     def __init__(self, eng, cache=None, mask=None):
-        from rollout import new_kv_cache
         self.eng = eng
         self.device = next(eng.model.parameters()).device
         self.cache = cache if cache is not None else new_kv_cache()
@@ -304,7 +251,6 @@ class _KV:
         """Feed each line's uncached tokens (line.ids[line.n_cached:], at least one each); next-token logits."""
         feeds = [ln.ids[ln.n_cached:] for ln in lines]
         assert all(feeds), "every row needs an uncached token to get next-token logits"
-        from rollout import ragged_chunk
         ids, chunk, pos = ragged_chunk(feeds, [ln.n_cached for ln in lines], self.eng.tok.pad_token_id)
         self.mask = torch.cat([self.mask, chunk.to(self.device)], dim=1)
         out = self.eng.model(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=pos.to(self.device),
@@ -337,13 +283,14 @@ class _KV:
 class _Line:
     """A token sequence being extended on a _KV row: the committed turn, a private branch, or a probe."""
 
-    def __init__(self, stream, ids, n_cached):
+    def __init__(self, fmt: ChatFormat, stream, ids, n_cached):
+        self.fmt = fmt
         self.stream = stream        # the row id the steering hook sees: 0 committed, 1.. private, -1 fidelity
         self.ids = list(ids)
         self.roles = [None] * len(ids)
         self.logprobs = [0.0] * len(ids)
         self.n_cached = n_cached
-        self.plan = deque()          # ("feed", ids, role) / ("gen", role, max_tokens, on_end)
+        self.plan = deque()          # ("text", text, role, trusted) / ("gen", role, max_tokens, on_end)
         self.gen_role, self.gen_start, self.gen_max, self.on_end = None, len(ids), 0, None
         self.done = False
         self.rec = None
@@ -354,14 +301,24 @@ class _Line:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
     def advance(self):
+        """Append plan text up to the next generation segment (encoded in one piece, as the engine does)."""
+        pending = []
         while self.plan:
             item = self.plan.popleft()
-            if item[0] == "feed":
-                self.append(item[1], item[2])
-            else:
-                _, self.gen_role, self.gen_max, self.on_end = item
-                self.gen_start = len(self.ids)
-                return
+            if item[0] == "text":
+                pending.append(item[1:])
+                continue
+            ids, roles = self.fmt.encode(pending)
+            self.ids += ids
+            self.roles += roles
+            self.logprobs += [0.0] * len(ids)
+            _, self.gen_role, self.gen_max, self.on_end = item
+            self.gen_start = len(self.ids)
+            return
+        ids, roles = self.fmt.encode(pending)
+        self.ids += ids
+        self.roles += roles
+        self.logprobs += [0.0] * len(ids)
         self.done = True
 
 
@@ -370,7 +327,6 @@ def _drive(eng, kv: _KV, lines: list[_Line], logits, cfg, gen, steer, stats, buc
 
     logits: next-token logits of each line, or None when each line has uncached tokens to feed first.
     """
-    from rollout import Role, sample
     active = [ln for ln in lines if not ln.done]
     if not active:
         return
@@ -386,10 +342,8 @@ def _drive(eng, kv: _KV, lines: list[_Line], logits, cfg, gen, steer, stats, buc
         stats[f"{bucket}_sampled"] = stats.get(f"{bucket}_sampled", 0) + len(active)
         for ln, t, lp in zip(active, tokens.tolist(), logps.tolist()):
             ln.append([t], ln.gen_role, [lp])
-            if ln.gen_role == Role.WORLD:
-                stopped = ln.ids[-len(eng.world_stop_ids):] == eng.world_stop_ids or t in eng.act_stop_ids
-            else:
-                stopped = t in eng.act_stop_ids
+            stopped = t in eng.fmt.stop_ids or (ln.gen_role == Role.WORLD
+                                                and eng.fmt.ends_with_world_stop(ln.ids[ln.gen_start:]))
             too_long = len(ln.ids) >= max_len
             if stopped or too_long or len(ln.ids) - ln.gen_start >= ln.gen_max:
                 if ln.on_end is not None:
@@ -430,21 +384,17 @@ class _Rehearser:
 
     def private_line(self, stream, ids, n_cached, seen_memory: str = "") -> _Line:
         """A branch that proposes a turn, rehearses each call's response and assesses the outcome."""
-        from rollout import CallError, Role, parse_turn
         eng, fmt, cfg = self.eng, self.eng.fmt, self.cfg
-        line = _Line(stream, ids, n_cached)
+        line = _Line(fmt, stream, ids, n_cached)
         line.rec = {"content": "", "raw": "", "items": [], "assessment": "", "terminated": False, "tokens": [],
                     "seen_memory": seen_memory}
 
         def on_world(index):
             def end(ln, stopped):
-                gen_ids = ln.ids[ln.gen_start:]
-                on_tag = stopped and gen_ids[-len(eng.world_stop_ids):] == eng.world_stop_ids
-                text = self._decode(gen_ids if on_tag or not stopped else gen_ids[:-1])
-                check = parse_rehearsal(text, fmt.obs_end, on_tag)
-                ln.rec["items"][index].update(predicted=check.text, defects=check.defects)
+                text, on_tag = eng.rehearsal_text(ln.ids[ln.gen_start:], stopped)
+                ln.rec["items"][index].update(predicted=text, defects=validate_rehearsal(text, on_tag))
                 if not on_tag:
-                    ln.plan.appendleft(("feed", eng.encode(fmt.obs_end, True), Role.PROMPT))
+                    ln.plan.appendleft(("text", fmt.obs_end, Role.PROMPT, True))
             return end
 
         def on_assess(ln, stopped):
@@ -456,24 +406,23 @@ class _Rehearser:
             ln.rec["tokens"], ln.rec["logprobs"] = list(gen_ids), list(ln.logprobs[ln.gen_start:])
             ln.rec["terminated"] = stopped
             text = self._decode(gen_ids[:-1] if stopped else gen_ids)
-            parsed = parse_turn(text, self.task.tools)
+            parsed = fmt.parse(text, self.task.tools)
             ln.rec["raw"], ln.rec["content"] = text, parsed.content
             if not stopped or not parsed.items:
                 return                                   # an answer (or a cut-off turn): nothing to rehearse
-            ln.plan.append(("feed", eng.encode(fmt.after_eos + fmt.tool_open, True), Role.PROMPT))
-            for k, item in enumerate(parsed.items):
-                if k:
-                    ln.plan.append(("feed", eng.encode(fmt.tool_sep, True), Role.PROMPT))
-                if isinstance(item, CallError):
+            for kind, value in fmt.tool_turn(len(parsed.items)):
+                item = parsed.items[value] if kind == "response" else None
+                if kind == "text":
+                    ln.plan.append(("text", value, Role.PROMPT, True))
+                elif isinstance(item, CallError):
                     obs = item.observation()
                     ln.rec["items"].append({"error": f"{item.kind}: {item.message}", "predicted": obs})
-                    ln.plan.append(("feed", eng.encode(obs), Role.OBS))
-                    ln.plan.append(("feed", eng.encode(fmt.obs_end, True), Role.PROMPT))
+                    ln.plan.append(("text", fmt.response_text(obs), Role.OBS, False))
+                    ln.plan.append(("text", fmt.obs_end, Role.PROMPT, True))
                 else:
                     ln.rec["items"].append({"name": item.name, "arguments": item.arguments, "predicted": ""})
                     ln.plan.append(("gen", Role.WORLD, cfg.max_world_tokens, on_world(len(ln.rec["items"]) - 1)))
-            ln.plan.append(("feed", eng.encode(fmt.tool_close, True), Role.PROMPT))
-            ln.plan.append(("feed", eng.encode(ASSESS_PREFIX), Role.PROMPT))
+            ln.plan.append(("text", ASSESS_PREFIX, Role.PROMPT, False))
             ln.plan.append(("gen", Role.ACT, self.rcfg.max_assess_tokens, on_assess))
 
         line.plan.append(("gen", Role.ACT, cfg.max_new_tokens, on_proposal))
@@ -496,11 +445,11 @@ class _Rehearser:
             records = [ln.rec for ln in lines]
             if not any(r["items"] for r in records):
                 return records, [], (records[0]["tokens"], records[0]["logprobs"])
-            return records, self.eng.encode(memory_text(records, rcfg.memory_chars)), None
+            return records, self.eng.fmt.encode_text(memory_text(records, rcfg.memory_chars)), None
         records, memory_ids = [], []
         for _ in range(rcfg.budget):
             memory = memory_text(records, rcfg.memory_chars)
-            memory_ids = self.eng.encode(memory) if memory else []
+            memory_ids = self.eng.fmt.encode_text(memory) if memory else []
             line = self.private_line(1, ids + memory_ids, n, memory)
             _drive(self.eng, kv, [line], None if memory_ids else ctx_logits, self.cfg, gen, self.steer,
                    self.stats, "private", self.max_len)
@@ -508,35 +457,34 @@ class _Rehearser:
             records.append(line.rec)
             if not line.rec["items"]:          # an answer, sampled from the context + the memory so far
                 return records, memory_ids, (line.rec["tokens"], line.rec["logprobs"])
-        return records, self.eng.encode(memory_text(records, rcfg.memory_chars)), None
+        return records, self.eng.fmt.encode_text(memory_text(records, rcfg.memory_chars)), None
 
-    def probe(self, kv: _KV, row, gen) -> str:
-        """Let the policy write the response of the call about to be executed, on a branch then discarded."""
-        from rollout import Role
-        logits = kv.feed([row], self.stats, "act")      # the committed scaffolding up to the response
-        m = len(row.ids)
-        line = _Line(-1, row.ids, m)
+    def probe(self, kv: _KV, row, pending: list, gen) -> str:
+        """Let the policy write the response of the call about to be executed, on a branch then discarded.
+
+        pending: the scaffolding text the engine will append before the response (not yet in row.ids)."""
+        committed = len(row.ids)
+        logits = kv.feed([row], self.stats, "act") if row.n_cached < committed else None   # committed tokens
+        line = _Line(self.eng.fmt, -1, row.ids, committed)
         out = {}
 
         def end(ln, stopped):
-            gen_ids = ln.ids[ln.gen_start:]
-            on_tag = stopped and gen_ids[-len(self.eng.world_stop_ids):] == self.eng.world_stop_ids
-            text = self._decode(gen_ids if on_tag or not stopped else gen_ids[:-1])
-            out["text"] = parse_rehearsal(text, self.eng.fmt.obs_end, on_tag).text
+            out["text"] = self.eng.rehearsal_text(ln.ids[ln.gen_start:], stopped)[0]
 
+        line.plan.extend(("text", *piece) for piece in pending)
         line.plan.append(("gen", Role.WORLD, self.cfg.max_world_tokens, end))
         line.advance()
-        _drive(self.eng, kv, [line], logits, self.cfg, gen, self.steer, self.stats, "fidelity", self.max_len)
-        kv.crop(m)
-        row.n_cached = m
+        fresh = len(line.ids) > committed          # the scaffolding before the response, fed on the branch
+        _drive(self.eng, kv, [line], None if fresh else logits, self.cfg, gen, self.steer, self.stats, "fidelity",
+               self.max_len)
+        kv.crop(committed)
+        row.n_cached = committed
         return out.get("text", "")
 
 
 @torch.inference_mode()
 def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, steer=None) -> Episode:
     """One committed trajectory on the real environment `env`, with private rehearsal before each turn."""
-    import rollout
-    from rollout import Role, SamplingConfig
 
     cfg = eng.cfg = cfg or SamplingConfig()
     rcfg = rcfg or RehearsalConfig()
@@ -573,7 +521,7 @@ def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, stee
             tokens, lps = direct               # kv holds the committed context only: the tokens are fed next
             stats["refed_tokens"] += max(len(tokens) - 1, 0)
         else:
-            line = _Line(0, row.ids + memory_ids, n)
+            line = _Line(eng.fmt, 0, row.ids + memory_ids, n)
             line.plan.append(("gen", Role.ACT, cfg.max_new_tokens, None))
             line.advance()
             _drive(eng, kv, [line], None if memory_ids else ctx_logits, cfg, gen, steer, stats, "act",
@@ -588,7 +536,7 @@ def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, stee
             row.n_cached = n
         stats["committed_turns"] += 1
         row.append(tokens, Role.ACT, lps)
-        stopped = tokens[-1] in eng.act_stop_ids
+        stopped = tokens[-1] in eng.fmt.stop_ids
         if stopped or len(tokens) >= cfg.max_new_tokens:
             eng._end_act(row, stopped, None)
             _advance(eng, helper, kv, row, rcfg, fgen, episode)
@@ -614,13 +562,13 @@ def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, stee
 def _advance(eng, helper, kv, row, rcfg, fgen, episode):
     """rollout.Engine._start_next for real calls, with a discarded fidelity probe before each execution."""
 
-    def probe_then_execute(row, index):
+    def probe_then_execute(row, index, pending):
         predicted = None
         if rcfg.fidelity:
             t0 = time.perf_counter()
-            predicted = helper.probe(kv, row, fgen)
+            predicted = helper.probe(kv, row, pending, fgen)
             helper.stats["fidelity_seconds"] += time.perf_counter() - t0
-        text = eng._execute(row, row.traj.calls[index])
+        text = eng.execute_call(row, row.traj.calls[index])
         if predicted is not None:
             call = row.traj.calls[index]
             episode.fidelity.append({"call": {"name": call.name, "arguments": call.arguments},

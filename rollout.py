@@ -30,8 +30,9 @@ from typing import Callable
 
 import torch
 
-import rehearse
-from bench import Task, ToolCall, Trajectory
+from bench import Task, Trajectory
+import chat_format
+from chat_format import CallError, ChatFormat, ToolCall, derive_chat_format, validate_rehearsal
 
 
 def new_kv_cache():
@@ -137,240 +138,6 @@ def role_mask(roles: torch.Tensor, train_roles) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The chat template's scaffolding, derived from the template itself
-
-
-class TemplateError(ValueError):
-    """The model's chat template cannot be driven turn by turn (it is not append-only, or lacks pieces)."""
-
-
-@dataclass
-class TurnFormat:
-    """Text the template puts around turns, split where the engine appends or the policy generates."""
-    after_eos: str     # what follows the assistant's end-of-turn token
-    tool_open: str     # before the first response of a group of tool responses
-    obs_end: str       # after each response (the closing tag)
-    tool_sep: str      # after obs_end, before the next response of the same group
-    tool_close: str    # after the last obs_end, through the next assistant header
-    user_open: str
-    user_close: str    # through the next assistant header
-    eos_id: int
-
-
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "zqx_probe", "description": "probe",
-                                                  "parameters": {"type": "object", "properties": {}}}}]
-
-
-def derive_turn_format(tok, template_kwargs: dict | None = None) -> TurnFormat:
-    """Render placeholder conversations with the model's own template and cut out the scaffolding.
-
-    Checks that every context before the latest assistant message is a prefix of every longer rendering
-    (append-only), and that a group of tool responses decomposes into open / response / sep / close pieces
-    (templates that close the group only after the last response, as Qwen3's does, are handled this way).
-    """
-    eos = tok.eos_token
-    if eos is None:
-        raise TemplateError("the tokenizer has no eos_token: the engine cannot tell where an assistant turn ends")
-
-    def render(messages, gen):
-        try:
-            return tok.apply_chat_template(messages, tools=_PROBE_TOOLS, tokenize=False, add_generation_prompt=gen,
-                                           **(template_kwargs or {}))
-        except Exception as exc:
-            raise TemplateError(f"the chat template failed to render a probe conversation: {exc}") from exc
-
-    system, user = {"role": "system", "content": "@@SYS@@"}, {"role": "user", "content": "@@USER@@"}
-    call = {"type": "function", "function": {"name": "zqx_probe", "arguments": {}}}
-    with_call = {"role": "assistant", "content": "", "tool_calls": [call]}
-    final = {"role": "assistant", "content": "@@ANSWER@@"}
-    prompt = render([system, user], True)
-
-    def after_assistant(messages, marker):
-        full = render(messages, True)
-        if not full.startswith(prompt):
-            raise TemplateError("chat template is not append-only: adding turns changes the rendering of the "
-                                "system/user prompt before them, so cached tokens would no longer match")
-        at = full.find(marker, len(prompt))
-        end = full.find(eos, at)
-        if at < 0 or end < 0:
-            raise TemplateError(f"chat template does not end assistant turns with the eos token {eos!r}")
-        return full[end + len(eos):]
-
-    probe = "@@OBS1@@", "@@OBS2@@", "@@USER2@@"
-    one = after_assistant([system, user, with_call, {"role": "tool", "content": probe[0]}], "zqx_probe\"")
-    two = after_assistant([system, user, with_call, {"role": "tool", "content": probe[0]},
-                           {"role": "tool", "content": probe[1]}], "zqx_probe\"")
-    usr = after_assistant([system, user, final, {"role": "user", "content": probe[2]}], "@@ANSWER@@")
-    after_eos_text = after_assistant([system, user, final], "@@ANSWER@@")
-    open_, _, close = one.partition(probe[0])
-    pre2, _, rest2 = two.partition(probe[0])
-    between, _, close2 = rest2.partition(probe[1])
-    if pre2 != open_ or close2 != close:
-        raise TemplateError("chat template is not append-only for parallel tool responses: a second tool "
-                            "message changes the text around the first")
-    # obs_end: the longest common head of `between` and `close` (the closing tag and what precedes it)
-    n = 0
-    while n < min(len(between), len(close)) and between[n] == close[n]:
-        n += 1
-    obs_end = between[:n]
-    if not obs_end.strip():
-        raise TemplateError("chat template has no closing tag after a tool response; rehearsal needs one "
-                            "to know where the rehearsed response ends")
-    user_open, _, user_close = usr.partition(probe[2])
-    gen_header = prompt[len(render([system, user], False)):]
-    if not close.endswith(gen_header) or not user_close.endswith(gen_header):
-        raise TemplateError("chat template's tool/user turns do not end with the generation prompt")
-    after_eos = after_eos_text[: len(after_eos_text) - len(gen_header)] if after_eos_text.endswith(gen_header) \
-        else after_eos_text
-    if not open_.startswith(after_eos) or not user_open.startswith(after_eos):
-        raise TemplateError("chat template puts different text after the end of an assistant turn "
-                            "depending on what follows")
-    return TurnFormat(after_eos=after_eos, tool_open=open_[len(after_eos):], obs_end=obs_end,
-                      tool_sep=between[n:], tool_close=close[n:], user_open=user_open[len(after_eos):],
-                      user_close=user_close, eos_id=tok.eos_token_id)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Parsing the agent's turn: strict and total (every input yields content, calls and typed errors)
-
-CALL_ERRORS = ("malformed_json", "not_an_object", "missing_name", "bad_arguments", "unknown_tool",
-               "missing_arguments", "unterminated_call", "stray_close_tag")
-
-
-def _spans(text: str, open_tag: str, close_tag: str):
-    """(start, end) of each open_tag ... nearest close_tag, left to right: `re.finditer(open.*?close)` in
-    linear time (the regex rescans to the end from every unclosed tag, quadratic on degenerate turns)."""
-    pos = 0
-    while True:
-        i = text.find(open_tag, pos)
-        if i < 0:
-            return
-        j = text.find(close_tag, i + len(open_tag))
-        if j < 0:
-            return
-        pos = j + len(close_tag)
-        yield i, pos
-
-
-def _no_duplicate_keys(pairs):
-    obj = {}
-    for k, v in pairs:
-        if k in obj:
-            raise ValueError(f"duplicate key {k!r}")
-        obj[k] = v
-    return obj
-
-
-def _reject_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text):
-    v = float(text)
-    if v != v or v in (float("inf"), float("-inf")):
-        raise ValueError(f"number {text[:40]} overflows a float")
-    return v
-
-
-def strict_json(text: str):
-    """json.loads without Python's extensions and ambiguities: NaN/Infinity, numbers that overflow to inf,
-    duplicate keys (which one would the call mean?) and unpaired surrogate escapes raise ValueError, and so
-    does nesting too deep to decode (instead of RecursionError)."""
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
-                         parse_float=_finite_float)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    try:
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("not valid Unicode (an unpaired surrogate \\u escape)") from None
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    return obj
-
-
-@dataclass
-class CallError:
-    kind: str        # one of CALL_ERRORS
-    message: str
-    raw: str = ""
-
-    def observation(self) -> str:
-        return json.dumps({"error": f"{self.kind}: {self.message}"})
-
-
-@dataclass
-class ParsedTurn:
-    content: str                                     # text outside tool calls and thinking
-    items: list = field(default_factory=list)        # ToolCall or CallError, in the order they appear
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return [c for c in self.items if isinstance(c, ToolCall)]
-
-
-def _parse_call(raw: str, tools: dict[str, dict]) -> ToolCall | CallError:
-    try:
-        obj = strict_json(raw)
-    except ValueError as exc:
-        return CallError("malformed_json", f"tool call is not valid JSON ({exc})", raw)
-    if not isinstance(obj, dict):
-        return CallError("not_an_object", "tool call must be a JSON object with 'name' and 'arguments'", raw)
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return CallError("missing_name", "tool call has no string 'name'", raw)
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = strict_json(args) if args.strip() else {}
-        except ValueError:
-            return CallError("bad_arguments", f"arguments of {name!r} are a string that is not JSON", raw)
-    if not isinstance(args, dict):
-        return CallError("bad_arguments", f"arguments of {name!r} must be a JSON object", raw)
-    if name not in tools:
-        return CallError("unknown_tool", f"no tool named {name!r}; available: {', '.join(sorted(tools)) or 'none'}",
-                         raw)
-    required = tools[name].get("parameters", {}).get("required", []) or []
-    missing = [p for p in required if p not in args]
-    if missing:
-        return CallError("missing_arguments", f"{name!r} needs {', '.join(map(repr, missing))}", raw)
-    return ToolCall(name=name, arguments=args)
-
-
-def parse_turn(text: str, tools: list[dict]) -> ParsedTurn:
-    """Split an assistant turn into its answer text, well-formed calls, and typed call errors."""
-    by_name = {}
-    for t in tools:
-        fn = t.get("function", t)
-        by_name[fn.get("name")] = fn
-    kept, pos = [], 0
-    for start, end in _spans(text, "<think>", "</think>"):
-        kept.append(text[pos:start])
-        pos = end
-    body = "".join(kept) + text[pos:]
-    items, pieces, pos = [], [], 0
-    for start, end in _spans(body, "<tool_call>", "</tool_call>"):
-        between = body[pos:start]
-        if "</tool_call>" in between:   # e.g. after nested tags: an error, not answer text
-            items.append(CallError("stray_close_tag", "</tool_call> without a matching <tool_call>", between))
-            between = between.replace("</tool_call>", "")
-        pieces.append(between)
-        items.append(_parse_call(body[start + len("<tool_call>"):end - len("</tool_call>")].strip(), by_name))
-        pos = end
-    tail = body[pos:]
-    if "<tool_call>" in tail:
-        cut = tail.index("<tool_call>")
-        items.append(CallError("unterminated_call", "a <tool_call> was opened but never closed", tail[cut:]))
-        tail = tail[:cut]
-    if "</tool_call>" in tail:
-        items.append(CallError("stray_close_tag", "</tool_call> without a matching <tool_call>", tail))
-        tail = tail.replace("</tool_call>", "")
-    pieces.append(tail)
-    return ParsedTurn(content="".join(pieces).strip(), items=items)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Configuration and results
 
 
@@ -422,7 +189,7 @@ class _Row:
         self.logprobs = [0.0] * len(prompt_ids)
         self.spans = [Span(Role.PROMPT, 0, len(prompt_ids), 0)]
         self.n_cached = len(prompt_ids)
-        self.plan: deque = deque()          # ("feed", ids, role) / ("gen", role, payload)
+        self.plan: deque = deque()   # ("text", text, role, trusted) / ("response", call, error) / ("gen", role, payload)
         self.gen_role, self.gen_payload, self.gen_start = Role.ACT, None, len(prompt_ids)
         self.turn = self.user_turn = 0
         self.traj = Trajectory(task_id=task.id, messages=[dict(m) for m in task.messages])
@@ -446,6 +213,15 @@ class _Row:
         else:
             self.spans.append(Span(role, start, start + len(ids), self.turn))
 
+    def append_text(self, fmt: ChatFormat, pieces: list):
+        """Append text pieces (text, role, trusted), encoded together; each token takes its piece's role."""
+        ids, roles = fmt.encode(pieces)
+        start = 0
+        for k in range(1, len(ids) + 1):
+            if k == len(ids) or roles[k] != roles[start]:
+                self.append(ids[start:k], roles[start])
+                start = k
+
     def truncate(self, n):
         """Cut appended (never sampled-then-cached) tokens past n, e.g. an observation that overflows."""
         del self.ids[n:], self.roles[n:], self.logprobs[n:]
@@ -458,62 +234,52 @@ class _Row:
 
 
 class Engine:
-    """Holds the model, tokenizer and derived template pieces; `run` does the rollouts."""
+    """Holds the model, tokenizer and the chat format derived from its template; `run` does the rollouts."""
 
-    def __init__(self, model, tok, template_kwargs: dict | None = None):
-        """template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3)."""
+    def __init__(self, model, tok, template_kwargs: dict | None = None, call_format: str | None = None):
+        """template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3).
+        call_format: a tool-call format name (chat_format.CALL_FORMATS); None infers it from the template."""
         self.model, self.tok = model, tok
         self.template_kwargs = dict(template_kwargs or {})
-        self.fmt = derive_turn_format(tok, self.template_kwargs)
-        self._piece = {}
-        self.world_stop_ids = self.encode(rehearse.world_stop_text(self.fmt.obs_end), scaffold=True)
-        stops = {self.fmt.eos_id}
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        stops |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        self.act_stop_ids = stops
-
-    def encode(self, text: str, scaffold: bool = False) -> list[int]:
-        """Scaffolding may contain special tokens; content never becomes one (a tool printing '<|im_end|>')."""
-        if scaffold:
-            if text not in self._piece:
-                self._piece[text] = self.tok(text, add_special_tokens=False)["input_ids"]
-            return self._piece[text]
-        return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        stop_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        self.fmt: ChatFormat = derive_chat_format(tok, self.template_kwargs, call_format, stop_ids)
 
     def prompt_ids(self, task: Task) -> list[int]:
-        return self.tok.apply_chat_template(task.messages, tools=task.tools or None, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False, **self.template_kwargs)
+        return self.fmt.prompt_ids(task.messages, task.tools)
 
     # -- host logic run when a row's generated segment ends --------------------------------------------
 
-    def _start_next(self, row: _Row, execute: Callable[[_Row, int], str] | None = None):
+    def _start_next(self, row: _Row, execute: Callable | None = None):
         """Apply plan items in order until the next generation segment; an empty plan ends the row.
 
-        execute(row, call_index) -> observation replaces the plain real execution (rehearse.py wraps it with a
-        discarded fidelity probe)."""
-        fmt = self.fmt
+        Text appended between two generated segments is encoded in one piece (chat_format.ChatFormat.encode),
+        so the ids equal the template's own tokenization. execute(row, call_index, pending_pieces) ->
+        observation replaces the plain real execution (rehearse.py wraps it with a discarded fidelity probe)."""
+        fmt, pending = self.fmt, []
         while row.plan:
-            kind, a, b = row.plan.popleft()
-            if kind == "feed":
-                row.append(a, b)
-            elif kind == "obs":  # a = call index or None for a call error, b = CallError or None
-                if a is None:
-                    text = b.observation()
-                else:
-                    text = execute(row, a) if execute else self._execute(row, row.traj.calls[a])
-                if a is None:
+            item = row.plan.popleft()
+            if item[0] == "text":
+                pending.append(item[1:])
+            elif item[0] == "response":   # a real response: call index, or None and the CallError to report
+                _, index, error = item
+                if index is None:
+                    text = error.observation()
                     row.traj.messages.append({"role": "tool", "content": text})
                 else:
-                    self._record_response(row, a, text, rehearsed=False)
-                row.append(self.encode(text), Role.OBS)
-                row.append(self.encode(fmt.obs_end, True), Role.PROMPT)
+                    text = execute(row, index, pending) if execute else self.execute_call(row, row.traj.calls[index])
+                    self._record_response(row, index, text, rehearsed=False)
+                pending += [(fmt.response_text(text), Role.OBS, False), (fmt.obs_end, Role.PROMPT, True)]
             else:
-                row.gen_role, row.gen_payload, row.gen_start = a, b, len(row.ids)
+                row.append_text(fmt, pending)
+                _, row.gen_role, row.gen_payload = item
+                row.gen_start = len(row.ids)
                 return
+        row.append_text(fmt, pending)
         if not row.done:
             row.finish("plan_exhausted")
 
-    def _execute(self, row: _Row, call: ToolCall) -> str:
+    def execute_call(self, row: _Row, call: ToolCall) -> str:
         if row.env is None:
             return json.dumps({"error": "no environment: a call was to be executed for real but the rollout "
                                         "was given no make_env"})
@@ -531,7 +297,7 @@ class Engine:
         fmt, traj = self.fmt, row.traj
         gen_ids = row.ids[row.gen_start:]
         text = self.tok.decode(gen_ids[:-1] if terminated else gen_ids, skip_special_tokens=False)
-        parsed = parse_turn(text, row.task.tools)
+        parsed = fmt.parse(text, row.task.tools)
         call_index = {}
         for k, item in enumerate(parsed.items):
             if isinstance(item, ToolCall):
@@ -568,38 +334,40 @@ class Engine:
             if getattr(row.env, "last_user_tool_calls", None):  # tau2 telecom: the user acted on their device
                 user_msg["user_tool_calls"] = list(row.env.last_user_tool_calls)
             traj.messages.append(user_msg)
-            row.plan.extend([("feed", self.encode(fmt.after_eos + fmt.user_open, True), Role.PROMPT),
-                             ("feed", self.encode(reply), Role.PROMPT),
-                             ("feed", self.encode(fmt.user_close, True), Role.PROMPT),
-                             ("gen", Role.ACT, None)])
+            row.plan.extend([("text", text, Role.PROMPT, trusted) for text, trusted in fmt.user_turn_pieces(reply)])
+            row.plan.append(("gen", Role.ACT, None))
             return
         limit = row.task.max_assistant_turns
         if row.turn >= self.cfg.max_turns or (limit is not None and row.turn >= limit):
             return row.finish("max_turns")
         # one response per call item: rehearsed (WORLD), executed (OBS), or an error observation (OBS)
-        row.plan.append(("feed", self.encode(fmt.after_eos + fmt.tool_open, True), Role.PROMPT))
-        for k, item in enumerate(parsed.items):
-            if k:
-                row.plan.append(("feed", self.encode(fmt.tool_sep, True), Role.PROMPT))
-            if isinstance(item, CallError):
-                row.plan.append(("obs", None, item))
+        for kind, value in fmt.tool_turn(len(parsed.items)):
+            item = parsed.items[value] if kind == "response" else None
+            if kind == "text":
+                row.plan.append(("text", value, Role.PROMPT, True))
+            elif isinstance(item, CallError):
+                row.plan.append(("response", None, item))
             elif world is not None and world(row.index, item):
-                row.plan.append(("gen", Role.WORLD, call_index[k]))
+                row.plan.append(("gen", Role.WORLD, call_index[value]))
             else:
-                row.plan.append(("obs", call_index[k], None))
-        row.plan.append(("feed", self.encode(fmt.tool_close, True), Role.PROMPT))
+                row.plan.append(("response", call_index[value], None))
         row.plan.append(("gen", Role.ACT, None))
 
     def _end_world(self, row: _Row, stopped: bool):
         gen_ids = row.ids[row.gen_start:]
-        on_tag = stopped and gen_ids[-len(self.world_stop_ids):] == self.world_stop_ids
-        text = self.tok.decode(gen_ids if on_tag or not stopped else gen_ids[:-1], skip_special_tokens=False)
-        check = rehearse.parse_rehearsal(text, self.fmt.obs_end, on_tag)
-        row.defects += check.defects
-        self._record_response(row, row.gen_payload, check.text, rehearsed=True)
+        text, on_tag = self.rehearsal_text(gen_ids, stopped)
+        defects = validate_rehearsal(text, on_tag)
+        row.defects += defects
+        self._record_response(row, row.gen_payload, text, rehearsed=True)
         if not on_tag:  # close the response ourselves so the context stays well-formed
             row.traj.errors.append("rehearsal_unterminated: the rehearsed response did not end with its tag")
-            row.plan.appendleft(("feed", self.encode(self.fmt.obs_end, True), Role.PROMPT))
+            row.plan.appendleft(("text", self.fmt.obs_end, Role.PROMPT, True))
+
+    def rehearsal_text(self, gen_ids: list[int], stopped: bool) -> tuple[str, bool]:
+        """(the observation a WORLD segment wrote, whether it ended on the closing tag)."""
+        on_tag = stopped and self.fmt.ends_with_world_stop(gen_ids)
+        text = self.tok.decode(gen_ids if on_tag or not stopped else gen_ids[:-1], skip_special_tokens=False)
+        return self.fmt.rehearsed_text(text, on_tag), on_tag
 
     # -- the generation loop ---------------------------------------------------------------------------
 
@@ -692,13 +460,12 @@ class Engine:
                 r.append([tok_id], r.gen_role, [lp])
                 n_gen = len(r.ids) - r.gen_start
                 if r.gen_role == Role.ACT:
-                    stopped = tok_id in self.act_stop_ids
+                    stopped = tok_id in self.fmt.stop_ids
                     if stopped or n_gen >= cfg.max_new_tokens:
                         self._end_act(r, stopped, world_fn)
                         self._start_next(r)
                 else:
-                    tail_ok = r.ids[-len(self.world_stop_ids):] == self.world_stop_ids
-                    stopped = tail_ok or tok_id in self.act_stop_ids
+                    stopped = tok_id in self.fmt.stop_ids or self.fmt.ends_with_world_stop(r.ids[r.gen_start:])
                     if stopped or n_gen >= cfg.max_world_tokens:
                         self._end_world(r, stopped)
                         self._start_next(r)
@@ -830,58 +597,15 @@ def make_env_fn(bench, user_fn=None):
     return bench.make_env
 
 
+ROLE_OF_LABEL = {"prompt": Role.PROMPT, "act": Role.ACT, "world": Role.WORLD, "obs": Role.OBS}
+
+
 def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids and roles of a finished chat (e.g. a reference trajectory), laid out exactly as a rehearsal
-    rollout would: assistant text + eos is ACT, each tool response + its closing tag is WORLD, the rest PROMPT.
-
-    Assistant text is cut from the template's own rendering, so any template's call format is respected.
-    """
-    tok, fmt = engine.tok, engine.fmt
-    ids = engine.prompt_ids(task)
-    roles = [int(Role.PROMPT)] * len(ids)
-    history = [dict(m) for m in task.messages]
-
-    def add(text, role, scaffold=False):
-        piece = engine.encode(text, scaffold)
-        ids.extend(piece)
-        roles.extend([int(role)] * len(piece))
-
-    rest = messages[len(task.messages):]
-    i = 0
-    while i < len(rest):
-        m = rest[i]
-        if m["role"] == "assistant":
-            before = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False,
-                                             add_generation_prompt=True, **engine.template_kwargs)
-            history.append(m)
-            after = tok.apply_chat_template(history, tools=task.tools or None, tokenize=False,
-                                            **engine.template_kwargs)
-            body = after[len(before):]
-            body = body[: body.rfind(tok.eos_token)]
-            add(body, Role.ACT, scaffold=True)
-            ids.append(fmt.eos_id)
-            roles.append(int(Role.ACT))
-            i += 1
-        elif m["role"] == "tool":
-            add(fmt.after_eos + fmt.tool_open, Role.PROMPT, True)
-            first = True
-            while i < len(rest) and rest[i]["role"] == "tool":
-                if not first:
-                    add(fmt.tool_sep, Role.PROMPT, True)
-                add(rest[i]["content"], Role.WORLD)
-                add(fmt.obs_end, Role.WORLD, True)
-                history.append(rest[i])
-                first, i = False, i + 1
-            add(fmt.tool_close, Role.PROMPT, True)
-        elif m["role"] == "user":
-            add(fmt.after_eos + fmt.user_open, Role.PROMPT, True)
-            add(m["content"], Role.PROMPT)
-            add(fmt.user_close, Role.PROMPT, True)
-            history.append(m)
-            i += 1
-        else:
-            raise ValueError(f"cannot encode a {m['role']!r} message after the opening messages")
-    return ids, roles
+    rollout would: assistant text + eos is ACT, each tool response + its closing tag is WORLD, the rest PROMPT
+    (chat_format.encode_conversation)."""
+    ids, labels = chat_format.encode_conversation(engine.fmt, task.messages, task.tools, messages)
+    return ids, [int(ROLE_OF_LABEL[label]) for label in labels]
 
 
 def main(argv=None):

@@ -15,6 +15,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from chat_format import ToolCall  # noqa: F401  (a parsed call is a chat-format concept; benchmarks score them)
+
 BENCHES = {
     "toyworld": "bench.toyworld",
     "bfcl": "bench.bfcl",
@@ -32,14 +34,6 @@ class Task:
     ground_truth: Any = None
     metadata: dict = field(default_factory=dict)
     max_assistant_turns: int | None = None   # e.g. 1 for single-turn function calling
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict
-    turn: int = 0          # index of the assistant turn that emitted it
-    user_turn: int = 0     # index of the user turn it answers (BFCL multi-turn scores per user turn)
 
 
 @dataclass

@@ -25,7 +25,7 @@ import rehearse
 import rollout
 import train
 from bench import ToolCall
-from rollout import CALL_ERRORS, CallError, parse_turn
+from chat_format import CALL_ERRORS, REHEARSAL_DEFECTS, CallError, derive_chat_format, parse_turn, validate_rehearsal
 from tests.scripted import run_train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,9 +302,11 @@ def test_stray_closing_tag_between_calls_is_an_error_not_content():
 OBS_END = "\n</tool_response>"
 
 
-def test_rehearsal_validator_on_generated_responses():
+def test_rehearsal_validator_on_generated_responses(tiny64):
     r = random.Random(7)
-    stop = rehearse.world_stop_text(OBS_END)
+    fmt = derive_chat_format(tiny64[1])
+    assert fmt.obs_end == OBS_END
+    stop = fmt.world_stop
     n = 0
     with deadline(20, "validating generated rehearsals"):
         for i in range(2500):
@@ -325,19 +327,20 @@ def test_rehearsal_validator_on_generated_responses():
             payload = payload.replace(stop, "")
             terminated = r.random() < 0.7
             generated = payload + (OBS_END if terminated else "")
-            check = rehearse.parse_rehearsal(generated, OBS_END, terminated)
-            assert set(check.defects) <= set(rehearse.REHEARSAL_DEFECTS)
+            text = fmt.rehearsed_text(generated, terminated)
+            defects = validate_rehearsal(text, terminated)
+            assert set(defects) <= set(REHEARSAL_DEFECTS)
             if terminated:
-                assert check.text == payload, (generated, check.text)
-            assert ("unterminated" in check.defects) == (not terminated)
-            assert ("empty" in check.defects) == (not check.text.strip())
+                assert text == payload, (generated, text)
+            assert ("unterminated" in defects) == (not terminated)
+            assert ("empty" in defects) == (not text.strip())
             try:
-                json.loads(check.text)
+                json.loads(text)
                 valid = True
             except (ValueError, RecursionError):
                 valid = False
-            assert ("invalid_json" in check.defects) == (bool(check.text.strip()) and not valid), check.text[:80]
-            rehearse.fidelity(check.text, '{"balance": 3}')      # the probe's comparison is total too
+            assert ("invalid_json" in defects) == (bool(text.strip()) and not valid), text[:80]
+            rehearse.fidelity(text, '{"balance": 3}')      # the probe's comparison is total too
             n += 1
     print(f"\nrehearsal validator: {n} generated responses")
 

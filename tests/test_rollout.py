@@ -6,7 +6,8 @@ import torch
 
 import policy
 import rollout
-from rollout import Engine, Role, SamplingConfig, TemplateError, parse_turn
+from chat_format import TemplateError, derive_chat_format, parse_turn
+from rollout import Engine, Role, SamplingConfig
 from tests.scripted import TOOLS, EchoEnv, Script, call_text, tasks
 
 LOOKUP = [call_text("lookup", '{"key": "'), 3, '"}}\n</tool_call>']
@@ -96,7 +97,7 @@ def test_roles_are_exact_on_a_scripted_conversation(tiny64):
     world = text_of(Role.WORLD)
     assert len(world) == 1 and world[0].startswith('{"value": "') and world[0].endswith('"}\n</tool_response>')
     obs = text_of(Role.OBS)
-    assert obs == [json.dumps({"tool": "ping", "args": {}, "n": 1})]
+    assert [o.strip() for o in obs] == [json.dumps({"tool": "ping", "args": {}, "n": 1})]
     assert env.calls == [("ping", {})]                      # the rehearsed lookup never reached the env
     assert traj.rehearsed == [True, False] and traj.observations[0] == world[0][: -len("\n</tool_response>")]
     # every other token is engine-written scaffolding or user text
@@ -176,8 +177,9 @@ def test_template_that_is_not_append_only_is_refused(tiny64):
     bad = copy.deepcopy(tok)
     bad.chat_template = tok.chat_template.replace("messages[0].content + '\\n\\n'",
                                                   "messages[0].content + (messages|length|string) + '\\n\\n'")
-    with pytest.raises(TemplateError, match="append-only"):
-        rollout.derive_turn_format(bad)
+    with pytest.raises(TemplateError, match="append-only") as err:
+        derive_chat_format(bad)
+    assert err.value.reason == "not_append_only"
 
 
 def test_parse_turn_is_total():
