@@ -152,7 +152,9 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
         by_task = defaultdict(list)
         for r in recs:
             by_task[r["task_id"]].append(r["reward"] >= 1.0 - 1e-9)
-        out = {"tasks": len(by_task), "trajectories": len(recs), "success": _mean([r["reward"] for r in recs])}
+        out = {"tasks": len(by_task), "trajectories": len(recs), "success": _mean([r["reward"] for r in recs]),
+               # the scorer raised: those rows hold a 0 that is no verdict
+               "evaluator_errors": sum(bool(r["components"].get("evaluator_error")) for r in recs)}
         if k > 1:
             out[f"pass^{k}"] = pass_k(dict(by_task), k)
         for key in ("precision", "recall", "f1"):
@@ -368,6 +370,10 @@ def main(argv=None) -> int:
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "
           f"rehearsal {args.rehearsal_mode}")
     print(table(args.bench, runs))
+    for name, run in runs.items():
+        if run["overall"]["evaluator_errors"]:
+            print(f"warning: {name}: the scorer raised on {run['overall']['evaluator_errors']} trajectories; they "
+                  f"count as 0 (see components.evaluator_error in {run['jsonl']})", file=sys.stderr)
     print(f"wrote {out / 'summary.json'}")
     return 0
 

@@ -759,10 +759,12 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             succ = [s.components.get("success", s.reward) for s in scores]
             sums = all_sum([float(rewards.sum()), float(sum(succ)), n_rows, flat, ro.stats["act_tokens"],
                             ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects),
-                            ro.stats["tokens_sampled"]], d)
+                            ro.stats["tokens_sampled"],
+                            sum(bool(s.components.get("evaluator_error")) for s in scores)], d)
             record.update(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
                           flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
-                          rehearsal_defects=int(sums[6]), loss=pg.get("loss"), kl=pg.get("kl"),
+                          rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
+                          loss=pg.get("loss"), kl=pg.get("kl"),
                           clip_frac=pg.get("clip_frac"), logp_mismatch=pg.get("logp_mismatch"),
                           grad_norm=norms[-1] if norms else float("nan"),
                           tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world,

@@ -47,9 +47,12 @@ score() never trusts them):
   * multi-turn: `traj.calls` grouped by `user_turn`, then by assistant `turn` (one BFCL step each), turned into
     BFCL's call strings `f(a='x',b=1)` and replayed by bfcl_eval's `multi_turn_checker` on fresh backends next to the
     ground truth (state check + execution-response check after every turn). More than 20 calling steps in one user
-    turn is BFCL's force-termination (invalid). Every score call uses its own private instance names in the
+    turn is BFCL's force-quit, scored as the leaderboard's runner scores it: in an earlier turn the entry is
+    `multi_turn:force_terminated` (invalid); in the last turn its first 21 steps (all that BFCL's inference loop
+    records before it breaks) are checked as usual, so it can pass. Every score call uses its own private instance names in the
     package's global instance cache and removes them afterwards, so scores are independent.
-Components: category, valid, error_type (None when valid), error (short text).
+Components: category, valid, error_type (None when valid), error (short text); evaluator_error when bfcl_eval's
+checker raised (scored 0 and counted by evaluate.py, never a silent failure).
 
 Importing bfcl_eval's AST checker would import `constants/model_config.py` and with it every API SDK; we import the
 checker with a two-entry stand-in for that module in sys.modules (the checker only reads `underscore_to_dot`), then
@@ -118,6 +121,7 @@ UNREACHABLE_GROUND_TRUTH = {
     "live_multiple_964-207-0": "answer uses parameter 'question'; the function's required parameter is 'statement'",
 }
 
+CHECKER_EXCEPTIONS = ("ast_checker:exception", "multi_turn:checker_exception")   # the checker raised
 MAX_STEPS_PER_TURN = 20   # BFCL's MAXIMUM_STEP_LIMIT: more calling steps in one user turn force-terminate the entry
 BLOCKED_NAMES = {"kill", "exit", "quit", "remove", "unlink", "popen", "Popen", "run"}   # BFCL refuses these
 # MathAPI computes what it is asked: power(10, 10**8) or square_root(2, precision=10**6) run for minutes. Such
@@ -600,7 +604,11 @@ def _score_multi(task: Task, traj: Trajectory) -> tuple[bool, str | None, str]:
         return False, "multi_turn:turn_out_of_range", err
     for i, steps in enumerate(turns):
         if len(steps) > MAX_STEPS_PER_TURN:
-            return False, "multi_turn:force_terminated", f"{len(steps)} calling steps in user turn {i}"
+            if i < len(turns) - 1:
+                return False, "multi_turn:force_terminated", f"{len(steps)} calling steps in user turn {i}"
+            # BFCL's inference loop records the last turn's steps up to the force-quit (step 21) before it
+            # breaks, so eval_runner's turn-count check passes and the entry is checked as usual
+            turns[i] = steps[:MAX_STEPS_PER_TURN + 1]
     checker, utils = _multi_turn()
     model_name = f"envace{uuid.uuid4().hex}"   # private names in the package's global instance cache
     entry = {"id": task.id, "initial_config": copy.deepcopy(task.metadata["initial_config"]),
@@ -624,8 +632,10 @@ def score(task: Task, traj: Trajectory) -> Score:
         valid, etype, msg = _score_multi(task, traj)
     else:
         valid, etype, msg = _score_single(task, traj)
-    return Score(reward=1.0 if valid else 0.0,
-                 components={"category": cat, "valid": valid, "error_type": etype, "error": msg})
+    comp = {"category": cat, "valid": valid, "error_type": etype, "error": msg}
+    if etype in CHECKER_EXCEPTIONS:   # BFCL's own runner would stop on these; counted, not hidden as a failure
+        comp["evaluator_error"] = msg
+    return Score(reward=1.0 if valid else 0.0, components=comp)
 
 
 # ----------------------------------------------------------------------------------------------------------------

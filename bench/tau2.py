@@ -204,60 +204,31 @@ def _fresh_env(tau2_task, domain: str):
     return env
 
 
-_JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int, float), "boolean": (bool,),
-               "array": (list,), "object": (dict,), "null": (type(None),)}
-
-
-def _fits(value, schema: dict) -> bool:
-    """Whether a JSON value fits a tool parameter's schema: type, anyOf and array items ($ref: any object)."""
-    if "anyOf" in schema:
-        return any(_fits(value, s) for s in schema["anyOf"])
-    if "$ref" in schema:
-        return isinstance(value, dict)
-    kind = schema.get("type")
-    if kind is None:
-        return True
-    if kind not in _JSON_TYPES or not isinstance(value, _JSON_TYPES[kind]):
-        return kind not in _JSON_TYPES
-    if isinstance(value, bool) and kind in ("number", "integer"):
-        return False
-    if kind == "integer" and isinstance(value, float) and not value.is_integer():
-        return False
-    if kind == "array" and isinstance(schema.get("items"), dict):
-        return all(_fits(v, schema["items"]) for v in value)
-    return True
-
-
-def _type_error(name: str, arguments: dict, schemas: list[dict] | None) -> str | None:
-    """An error observation when an argument's JSON type contradicts the tool's schema (the package's own
-    tools do not check: transfer_to_human_agents(summary={...}) succeeds). None (optional) is allowed."""
-    fn = next((t["function"] for t in schemas or [] if t["function"]["name"] == name), None)
-    if fn is None:
-        return None
-    params = fn.get("parameters") or {}
-    props, required = params.get("properties") or {}, set(params.get("required") or [])
-    for key, value in arguments.items():
-        if key in props and not (value is None and key not in required) and not _fits(value, props[key]):
-            want = props[key].get("type") or "the schema's type"
-            return f"Error: argument {key!r} of {name} must be {want}, got {type(value).__name__}"
-    return None
-
-
-def _run_call(env, name, arguments, requestor: str, call_id: str, schemas: list[dict] | None = None) -> str:
-    """One tool call on a tau2 environment; every failure is an observation string. `schemas`: the tools'
-    JSON schemas, to refuse arguments of the wrong type before the package's (unchecking) tools run."""
+def _tool_call(name, arguments, requestor: str, call_id: str):
+    """tau2's ToolCall for a call, or an error text when tau2 cannot represent it (its pydantic model refuses
+    it): a non-string name or arguments that are not an object with string keys."""
     if not isinstance(name, str) or not name:
         return f"Error: tool name must be a non-empty string, got {name!r}"
     if not isinstance(arguments, dict) or not all(isinstance(k, str) for k in arguments):
         return f"Error: arguments must be a JSON object with string keys, got {type(arguments).__name__}"
-    wrong = _type_error(name, arguments, schemas)
-    if wrong is not None:
-        return wrong
     try:
-        tc = _tau2().msg.ToolCall(id=call_id, name=name, arguments=arguments, requestor=requestor)
-        return env.get_response(tc).content   # the package's own path: errors become "Error: ..."
-    except Exception as exc:   # e.g. a response the package cannot serialise
+        return _tau2().msg.ToolCall(id=call_id, name=name, arguments=arguments, requestor=requestor)
+    except Exception as exc:
         return f"Error: {type(exc).__name__}: {exc}"
+
+
+def _run_call(env, name, arguments, requestor: str, call_id: str):
+    """One tool call on a tau2 environment, answered exactly as tau2's Orchestrator answers it
+    (`env.get_response`): no type checks of our own, because the evaluator replays the recorded calls through
+    the same path and must get the same responses (the tools coerce e.g. amount="50" through pydantic).
+    Returns (tau2 ToolCall or None when unrepresentable, observation text)."""
+    tc = _tool_call(name, arguments, requestor, call_id)
+    if isinstance(tc, str):
+        return None, tc
+    try:
+        return tc, env.get_response(tc).content   # the package's own path: tool errors become "Error: ..."
+    except Exception as exc:   # a response the package cannot serialise; its Orchestrator would fail here too
+        return tc, f"Error: {type(exc).__name__}: {exc}"
 
 
 def _user_sim_prompt(task: Task) -> str:
@@ -327,7 +298,7 @@ class Tau2Env:
         return f"call_{self.n_calls}"
 
     def step(self, name: str, arguments: dict) -> str:
-        return _run_call(self.env, name, arguments, "assistant", self._next_id(), self.task.tools)
+        return _run_call(self.env, name, arguments, "assistant", self._next_id())[1]
 
     def user_turn(self, assistant_text: str) -> str | None:
         if self.user_fn is None:
@@ -345,7 +316,7 @@ class Tau2Env:
                 self.user_messages.append({"role": "assistant", "content": _text_of(reply), "tool_calls": [
                     {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]})
                 for n, a in calls:
-                    obs = _run_call(self.env, n, a, "user", self._next_id(), self.user_tools)
+                    obs = _run_call(self.env, n, a, "user", self._next_id())[1]
                     self.user_messages.append({"role": "tool", "content": obs})
                     self.last_user_tool_calls.append({"name": n, "arguments": a})
                 continue
@@ -407,19 +378,16 @@ def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
 
     def emit(calls, requestor):
         for name, args in calls:
-            if not isinstance(name, str) or not isinstance(args, dict):
+            tc, obs = _run_call(env, name, args, requestor, f"call_{counter[0] + 1}")
+            if tc is None:
                 stats["dropped"] += 1   # not a call tau2 could represent; it could change nothing
                 continue
             counter[0] += 1
-            cid = f"call_{counter[0]}"
-            obs = _run_call(env, name, args, requestor, cid,
-                            task.tools if requestor == "assistant" else _domain_info(task.metadata["domain"])[2])
             stats["errors"] += obs.startswith("Error:")
             stats["agent_calls" if requestor == "assistant" else "user_calls"] += 1
-            tc = m.ToolCall(id=cid, name=name, arguments=args, requestor=requestor)
             cls = m.AssistantMessage if requestor == "assistant" else m.UserMessage
             out.append(cls(role=requestor if requestor == "user" else "assistant", tool_calls=[tc]))
-            out.append(m.ToolMessage(id=cid, role="tool", content=obs, requestor=requestor))
+            out.append(m.ToolMessage(id=tc.id, role="tool", content=obs, requestor=requestor))
 
     by_turn: dict[int, list] = {}
     for c in traj.calls:
@@ -458,8 +426,9 @@ def score(task: Task, traj: Trajectory) -> Score:
     try:
         info = t2.evaluate_simulation(simulation=sim, task=sim_task, evaluation_type=t2.EvaluationType.ALL,
                                       solo_mode=False, domain=task.metadata["domain"])
-    except Exception as exc:   # e.g. the evaluator's own replay disagreeing with ours: a zero, not a dead batch
-        return Score(reward=0.0, components={"error": f"{type(exc).__name__}: {exc}", **stats})
+    except Exception as exc:   # a scorer failure, not a verdict: 0 so a batch survives, flagged to be counted
+        return Score(reward=0.0, components={"evaluator_error": f"{type(exc).__name__}: {exc}"[:2000],
+                                             "completed": completed, "end_reason": traj.end_reason, **stats})
     comp = {"reward_basis": [r.value for r in info.reward_basis] if info.reward_basis else [],
             "breakdown": {getattr(k, "value", k): v for k, v in (info.reward_breakdown or {}).items()},
             "completed": completed, "end_reason": traj.end_reason, **stats,

@@ -111,11 +111,17 @@ def test_pass_hat_k_and_summary_metrics():
     recs = [rec("a", 1.0, "category=x", {"precision": 1.0, "recall": 0.5, "f1": 2 / 3}, [f]),
             rec("a", 0.0, "category=x", {"precision": 0.0, "recall": 0.0, "f1": 0.0}),
             rec("b", 1.0, "category=y", {"precision": 1.0, "recall": 1.0, "f1": 1.0}),
-            rec("b", 1.0, "category=y", {"precision": 1.0, "recall": 1.0, "f1": 1.0})]
+            rec("b", 1.0, "category=y", {"precision": 1.0, "recall": 1.0, "f1": 1.0}),
+            rec("c", 0.0, "category=y", {"evaluator_error": "ValueError: replay mismatch"}),
+            rec("c", 0.0, "category=y", {"evaluator_error": "ValueError: replay mismatch"})]
+    s = evaluate.summarize("finmcp", recs, 2)
+    assert s["overall"]["evaluator_errors"] == 2 and s["groups"]["category=x"]["evaluator_errors"] == 0
+    assert s["groups"]["category=y"]["evaluator_errors"] == 2
+    recs = recs[:4]
     s = evaluate.summarize("finmcp", recs, 2)
     assert s["overall"]["success"] == 0.75 and s["overall"]["pass^2"] == 0.5
     assert s["groups"]["category=x"]["success"] == 0.5 and s["groups"]["category=y"]["pass^2"] == 1.0
     assert s["overall"]["recall"] == pytest.approx(0.625) and s["fidelity"]["pairs"] == 1
     assert s["cost"]["extra_tokens_per_call"] == 10 and s["cost"]["extra_tokens_per_turn"] == 5
     text = evaluate.table("finmcp", {"B=0": s, "B=1": s})
-    assert "category=x success" in text and "finmcp pass^2" in text
+    assert "category=x success" in text and "finmcp pass^2" in text and "finmcp evaluator_errors" in text

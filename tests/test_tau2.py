@@ -217,3 +217,74 @@ def test_pass_hat_k():
         tau2.pass_hat_k(r, 5)
     with pytest.raises(ValueError):
         tau2.pass_hat_k(r, 0)
+
+
+# -- agreement with tau²'s own harness: numbers sent as strings -----------------------------------------------
+
+def _official_reward(task, calls, final):
+    """tau²'s own path, independent of bench.tau2's replay: the Orchestrator's messages (each call answered by
+    `env.get_response`) scored by `evaluate_simulation(ALL)`."""
+    t2 = tau2._tau2()
+    t2_task = t2.registry.get_tasks_loader(task.metadata["domain"])(None)
+    t2_task = next(t for t in t2_task if t.id == task.metadata["tau2_id"])
+    env = t2.registry.get_env_constructor(task.metadata["domain"])()
+    init = t2_task.initial_state
+    if init is not None:
+        env.set_state(initialization_data=init.initialization_data,
+                      initialization_actions=init.initialization_actions, message_history=[])
+    messages = [t2.msg.UserMessage(role="user", content=task.messages[-1]["content"])]
+    for i, c in enumerate(calls):
+        tc = t2.msg.ToolCall(id=f"c{i}", name=c.name, arguments=c.arguments, requestor="assistant")
+        messages += [t2.msg.AssistantMessage(role="assistant", tool_calls=[tc]), env.get_response(tc)]
+    messages.append(t2.msg.AssistantMessage(role="assistant", content=final))
+    sim = t2.SimulationRun(id="official", task_id=t2_task.id, start_time="", end_time="", duration=0.0,
+                           termination_reason=t2.TerminationReason.USER_STOP, messages=messages)
+    return t2.evaluate_simulation(simulation=sim, task=t2_task, evaluation_type=t2.EvaluationType.ALL,
+                                  solo_mode=False, domain=task.metadata["domain"]).reward
+
+
+def _as_string(v):
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+# (task, tool, argument): the ground truth with that argument of that write sent as a string. The first four
+# pass under tau²'s harness (its tools coerce through pydantic, or compare by substring); the last does not
+# (the string lands in the DB and its hash differs from the gold one).
+STRING_PROBES = [("airline/38", "send_certificate", "amount", 1.0),
+                 ("airline/14", "book_reservation", "total_baggages", 1.0),
+                 ("airline/20", "book_reservation", "total_baggages", 1.0),
+                 ("retail/13", "return_delivered_order_items", "item_ids", 1.0),
+                 ("airline/12", "update_reservation_baggages", "total_baggages", 0.0)]
+
+
+@pytest.mark.parametrize("tid,tool,arg,official", STRING_PROBES)
+def test_numbers_as_strings_score_as_tau2_does(tasks, tid, tool, arg, official):
+    task = next(t for t in tasks[tid.split("/")[0]] if t.id == tid)
+    gt = tau2.ground_truth_trajectory(task)
+    calls = [replace(c, arguments=dict(c.arguments)) for c in gt.calls]
+    target = next(c for c in calls if c.name == tool)
+    target.arguments[arg] = _as_string(target.arguments[arg])
+    assert _official_reward(task, calls, gt.final_answer) == official     # the oracle itself
+    s = tau2.score(task, replace(gt, calls=calls))
+    assert "evaluator_error" not in s.components, s.components            # the replay of our record never fails
+    assert s.reward == official, s.components
+
+
+def test_env_answers_a_string_number_as_tau2_does(tasks):
+    task = next(t for t in tasks["airline"] if t.id == "airline/38")
+    ours = tau2.make_env(task).step("send_certificate", {"user_id": "noah_muller_9847", "amount": "50"})
+    t2 = tau2._tau2()
+    env = t2.registry.get_env_constructor("airline")()
+    theirs = env.get_response(t2.msg.ToolCall(id="x", name="send_certificate", requestor="assistant",
+                                              arguments={"user_id": "noah_muller_9847", "amount": "50"})).content
+    assert ours == theirs and not ours.startswith("Error:")
+
+
+def test_evaluator_exception_is_reported_not_hidden(tasks, monkeypatch):
+    t = next(t for t in tasks["retail"] if t.id == "retail/5")
+
+    def broken(**kwargs):
+        raise ValueError("replay mismatch")
+    monkeypatch.setattr(tau2._tau2(), "evaluate_simulation", broken)
+    s = tau2.score(t, tau2.ground_truth_trajectory(t))
+    assert s.reward == 0.0 and s.components["evaluator_error"] == "ValueError: replay mismatch"
