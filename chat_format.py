@@ -513,11 +513,15 @@ def derive_chat_format(tok, template_kwargs: dict | None = None, call_format: st
                                               "eos_token_id in the model folder's generation_config.json")
     eos_id = stops[eos_text]
 
+    opener = _generation_opener(answered, prompt, gen_header)
+
     def after_assistant(messages, marker):
         full = render(messages, True)
         if not full.startswith(prompt):
+            why = (f"its generation prompt opens the assistant turn with {opener!r}, which it drops from earlier "
+                   "turns" if opener and full.startswith(prompt[:-len(opener)]) else _where(prompt, full))
             raise TemplateError("not_append_only", "the chat template is not append-only: adding turns changes "
-                                                   f"the prompt before them ({_where(prompt, full)})")
+                                                   f"the prompt before them ({why}); {FIX_TEMPLATE}")
         at = full.find(marker, len(prompt))
         end = full.find(eos_text, at) if at >= 0 else -1
         if at < 0:
@@ -596,6 +600,13 @@ def _quotes_responses(rendered: str, marker: str, render_with) -> bool:
         raise TemplateError("not_append_only", "the chat template transforms tool responses in a way the engine "
                                                f"cannot reproduce; {FIX_TEMPLATE}")
     return True
+
+
+def _generation_opener(answered: str, prompt: str, gen_header: str) -> str:
+    """Text the generation prompt puts after the assistant header (QwQ's '<think>\n'), '' if none."""
+    base = prompt[: len(prompt) - len(gen_header)]
+    turn = answered[len(base):answered.find("@@ANSWER@@")] if answered.startswith(base) else ""
+    return gen_header[len(turn):] if turn and gen_header.startswith(turn) else ""
 
 
 def _first_stop(text: str, stops: dict) -> str | None:

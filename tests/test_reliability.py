@@ -302,9 +302,9 @@ def test_stray_closing_tag_between_calls_is_an_error_not_content():
 OBS_END = "\n</tool_response>"
 
 
-def test_rehearsal_validator_on_generated_responses(tiny64):
+def test_rehearsal_validator_on_generated_responses(micro64):
     r = random.Random(7)
-    fmt = derive_chat_format(tiny64[1])
+    fmt = derive_chat_format(micro64[1])
     assert fmt.obs_end == OBS_END
     stop = fmt.world_stop
     n = 0
