@@ -699,7 +699,7 @@ def bad_models(micro_path, tmp_path):
         (_copy_model(micro_path, tmp_path / "noeos",
                      lambda p: _tokenizer_config(p, lambda c: c.__setitem__("chat_template", tpl.replace(
                          "'<|im_end|>\\n' }}\n{%- elif message.role == 'tool'", "'\\n' }}\n{%- elif message.role == 'tool'")))),
-         "eos"),
+         "no end-of-turn token"),
     ]
 
 
