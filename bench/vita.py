@@ -11,7 +11,17 @@ database, following the public tool names, arguments and semantics (search store
 info, create/pay/cancel/modify orders, book/reserve, time/location/weather/holiday queries). Differences
 from upstream, on purpose: order ids are deterministic (`OT`/`OI` + a hash of a per-env counter) instead of
 timestamp hashes; observations are JSON text instead of Python reprs; fuzzy matching (search ranking,
-address and city lookup) uses difflib instead of thefuzz; the holiday tools use a small built-in table.
+address and city lookup) uses difflib instead of thefuzz; the holiday tools use a small built-in table; a
+failed precondition (an `assert` upstream, whose tool wrapper returns the bare message) reads `Error: ` + the
+same message, like every refusal here; an empty product list is refused.
+
+Argument types are treated as upstream's tools treat them: no JSON-type check of our own, the raw values reach
+each tool, which coerces, accepts, refuses or raises at the point upstream does (a string count raises
+`'>' not supported ...`, a string distance is refused by upstream's isinstance assert, 2.0 becomes 2 where
+upstream's pydantic model validates, a float quantity is stored as given where upstream assigns without
+validating). An exception comes back as upstream's `Environment.get_response` shows it: `Error: <exception
+text>` (pydantic errors without their version-specific help links). Missing and unknown arguments, and a null
+required one, are still refused before the tool runs (a null optional one means its default).
 
 Episode: `mode="solo"` (default) gives VitaBench's solo-agent policy as the system prompt and the whole user
 scenario (instructions + profile) as the first user message; `mode="chat"` gives the conversational policy
@@ -366,20 +376,6 @@ def tool_schemas(domain: str) -> list[dict]:
         for name, desc, args in _TOOL_SPECS[domain]]
 
 
-def _type_ok(value, t: str) -> bool:
-    if t.endswith("[]"):
-        return isinstance(value, list) and all(_type_ok(v, t[:-2]) for v in value)
-    if t == "string":
-        return isinstance(value, str)
-    if t == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
-    if t == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t == "boolean":
-        return isinstance(value, bool)
-    return True
-
-
 # -------------------------------------------------------------------------------------- fuzzy helpers
 
 def _ratio(a: str, b: str) -> float:
@@ -464,11 +460,60 @@ def _need(cond, msg):
 
 
 def _check_time(value: str, fmt: str = TIME_FMT) -> bool:
+    """Upstream's check_time_format (vita/utils/utils.py): only a ValueError means "wrong format"; a value that
+    is not a string raises strptime's TypeError ("strptime() argument 1 must be str, not int"), which upstream's
+    environment turns into an "Error: ..." observation."""
     try:
         datetime.strptime(value, fmt)
         return True
-    except (ValueError, TypeError):
+    except ValueError:
         return False
+
+
+def _fuzzy_query(value):
+    """Upstream ranks with thefuzz, whose processor refuses a query that is not a string: TypeError
+    "sentence must be a String" (address, weather city, holiday name)."""
+    if not isinstance(value, str):
+        raise TypeError("sentence must be a String")
+    return value
+
+
+def _keywords(keywords) -> list[str]:
+    """Upstream's search tools rank on "".join(keywords): a list of strings or a string (joined, it is itself)
+    works; a number or a list holding a non-string raises join's TypeError ("can only join an iterable",
+    "sequence item 0: expected str instance, int found")."""
+    joined = "".join(keywords)
+    return keywords if isinstance(keywords, list) else [joined]
+
+
+def _pydantic_error(model: str, errors: list[tuple[str, str, str, object]]) -> TypeError:
+    """The text of the pydantic ValidationError upstream's data models raise on a wrongly typed field, as
+    upstream's environment shows it ("Error: " + str(error)), less pydantic's version-specific help-link lines.
+    errors: (field location, message, error type, input value)."""
+    n = len(errors)
+    lines = [f"{n} validation error{'s' if n > 1 else ''} for {model}"]
+    for loc, msg, kind, value in errors:
+        lines += [loc, f"  {msg} [type={kind}, input_value={value!r}, input_type={type(value).__name__}]"]
+    return TypeError("\n".join(lines))
+
+
+def _int_field(loc: str, value):
+    """(coerced value, error or None) as pydantic's lax `int` field: bool and integral float become int."""
+    if isinstance(value, bool):
+        return int(value), None
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value), None
+        return value, (loc, "Input should be a valid integer, got a number with a fractional part", "int_from_float", value)
+    if isinstance(value, int):
+        return value, None
+    return value, (loc, "Input should be a valid integer", "int_type", value)
+
+
+def _validate(model: str, *checks):
+    errors = [e for e in checks if e is not None]
+    if errors:
+        raise _pydantic_error(model, errors)
 
 
 def _dump(obj) -> str:
@@ -509,20 +554,17 @@ class VitaEnv:
         if extra:
             return f"Error: {name} got unexpected argument(s) {extra}; expected {sorted(allowed)}"
         for arg, t, _, required in spec:
-            if arg not in arguments or arguments[arg] is None:
-                if required:
-                    return f"Error: {name} is missing required argument {arg!r}"
-                continue
-            if not _type_ok(arguments[arg], t):
-                return (f"Error: argument {arg!r} of {name} must be of type {t}, "
-                        f"got {type(arguments[arg]).__name__} {arguments[arg]!r}")
+            if required and (arg not in arguments or arguments[arg] is None):
+                return f"Error: {name} is missing required argument {arg!r}"
+        # No JSON-type check: upstream's tools receive the raw JSON values, so each tool below treats a wrongly
+        # typed value as upstream's does (coerces, accepts, refuses or raises at the same point).
         args = {k: v for k, v in arguments.items() if v is not None}
         try:
             return getattr(self, "_t_" + name)(**args)
         except ToolError as e:
             return f"Error: {e}"
-        except Exception as e:   # a bug or a data corner: still an observation, never a crash
-            return f"Error: {type(e).__name__}: {e}"
+        except Exception as e:   # what upstream's Environment.get_response answers for a tool that raises
+            return f"Error: {e}"
 
     def user_turn(self, assistant_text: str) -> str | None:
         if self.user_fn is None or STOP in (assistant_text or ""):
@@ -551,7 +593,8 @@ class VitaEnv:
         for x in self.db[table].values():        # a few initial rows are stored under a key != their id
             if item_id in (x.get(k) for k in ID_KEYS):
                 return x
-        raise ToolError(f"{table[:-1].capitalize()} {item_id} not found")
+        raise ToolError(f"{ {'orders': 'Order', 'books': 'BookInfo', 'reservations': 'ReservationInfo'}[table]} "
+                        f"{item_id} not found")
 
     def _products(self) -> dict[str, dict]:
         """product_id -> product (with its store id/name); first store wins for duplicate ids."""
@@ -579,6 +622,7 @@ class VitaEnv:
         return locs
 
     def _locate(self, address: str) -> tuple[float, float]:
+        _fuzzy_query(address)
         locs = self._known_locations()
         if address in locs:
             return locs[address]
@@ -588,7 +632,7 @@ class VitaEnv:
         raise ToolError(f"Longitude and latitude not found for address {address}")
 
     def _search(self, keywords: list[str], docs: dict[str, str], top_k: int) -> list[str]:
-        kws = [k for k in keywords if k.strip()] or [""]
+        kws = [k for k in _keywords(keywords) if k.strip()] or [""]
         scored = [(sum(_partial_ratio(k, doc) for k in kws) / len(kws), i, key) for i, (key, doc) in enumerate(docs.items())]
         scored.sort(key=lambda x: (-x[0], x[1]))
         return [key for _, _, key in scored[:top_k]]
@@ -600,6 +644,7 @@ class VitaEnv:
     def _t_weather(self, address, date_start, date_end):
         _need(_check_time(date_start, "%Y-%m-%d"), f"Invalid date_start format. Expected yyyy-mm-dd, got: {date_start}")
         _need(_check_time(date_end, "%Y-%m-%d"), f"Invalid date_end format. Expected yyyy-mm-dd, got: {date_end}")
+        _fuzzy_query(address)
         cities = list(dict.fromkeys(w["city"] for w in self.db.get("weather") or []))
         best = max(cities, key=lambda c: _partial_ratio(address, c), default=None)
         _need(best is not None and _partial_ratio(address, best) >= 50, f"Weather information not found for {address}")
@@ -619,9 +664,10 @@ class VitaEnv:
         return f"Date {date} is not a holiday"
 
     def _t_get_holiday_date(self, year, holiday_name):
-        table = FESTIVALS.get(str(year))
+        table = FESTIVALS.get(year)      # upstream: `if year not in holiday_data` (str keys; 2025 is not found)
         if table is None:
             return f"Holiday data for year {year} not found"
+        _fuzzy_query(holiday_name)
         names = {(ZH_NAMES[n] if self.lang == "zh" else n): d for n, d in table.items()}
         best = max(names, key=lambda n: _partial_ratio(holiday_name, n))
         if _partial_ratio(holiday_name, best) >= 80:
@@ -642,6 +688,7 @@ class VitaEnv:
 
     # -- delivery tools
     def _t_delivery_distance_to_time(self, distance):
+        _need(isinstance(distance, (float, int)), f"distance value type should be float or int, but get {type(distance)}")
         return _dump(float(round(25.0 + int(distance) * 0.006510)))
 
     def _t_get_delivery_store_info(self, store_id):
@@ -664,30 +711,48 @@ class VitaEnv:
 
     def _t_create_delivery_order(self, user_id, store_id, product_ids, product_cnts, address, dispatch_time,
                                  attributes=None, note=""):
+        # The checks run in upstream's order, on the raw values (vita/domains/delivery/tools.py).
         self._user_ok(user_id)
         _need(store_id in self.stores, f"Store {store_id} not found")
         products = self._products()
-        missing = [p for p in product_ids if p not in products]
-        _need(product_ids and not missing, f"products {missing or product_ids} not found")
-        _need(address != "", "Location is empty")
-        _need(len(product_ids) == len(product_cnts) and all(int(c) > 0 for c in product_cnts),
+        for pid in product_ids:                   # upstream's _get_store_product raises "<id> not found"
+            if pid not in products:
+                raise ToolError(f"{pid} not found")
+        _need(len(product_ids) > 0, f"products {product_ids} not found")   # ours: no empty order
+        _need(address != "", f"Location {address} is empty")
+        _need(len(product_ids) == len(product_cnts) and all([c > 0 for c in product_cnts]),
               f"product_cnts {product_cnts} list is invalid")
-        _need(_check_time(dispatch_time), f"dispatch_time {dispatch_time} time format is invalid, yyyy-mm-dd HH:MM:SS required")
+        _need(dispatch_time and _check_time(dispatch_time),
+              f"dispatch_time {dispatch_time} time format is invalid, yyyy-mm-dd HH:MM:SS required")
         _need(dispatch_time >= self.now, f"dispatch_time {dispatch_time} must be in the future")
         lon, lat = self._locate(address)
         store = self.stores[store_id]
         dist = _distance(lon, lat, store["location"]["longitude"], store["location"]["latitude"])
         shipping = float(round(25.0 + int(dist) * 0.006510))
         delivery_time = (datetime.strptime(dispatch_time, TIME_FMT) + timedelta(minutes=shipping)).strftime(TIME_FMT)
-        attrs = list(attributes or []) + [""] * len(product_ids)
-        lines = [{"product_id": pid, "name": products[pid].get("name"), "store_id": products[pid]["store_id"],
-                  "price": products[pid].get("price", 0), "quantity": int(c), "attributes": attrs[i] or ""}
-                 for i, (pid, c) in enumerate(zip(product_ids, product_cnts))]
+        total = sum(products[pid].get("price", 0) * c for pid, c in zip(product_ids, product_cnts))
+        attrs = [""] * len(product_ids)
+        for i, a in enumerate((attributes if attributes is not None else [])[:len(product_ids)]):
+            if a:
+                attrs[i] = a
+        lines = []
+        for pid, c, a in zip(product_ids, product_cnts, attrs):      # upstream's StoreProduct(...) validation
+            qty, bad_qty = _int_field("quantity", c)
+            bad_attr = None
+            if isinstance(a, list):
+                a = ", ".join(a)                  # its attributes validator
+            elif not isinstance(a, str):
+                bad_attr = [("attributes.str", "Input should be a valid string", "string_type", a),
+                            ("attributes.list[any]", "Input should be a valid list", "list_type", a)]
+            _validate("StoreProduct", bad_qty, *(bad_attr or []))
+            lines.append({"product_id": pid, "name": products[pid].get("name"), "store_id": products[pid]["store_id"],
+                          "price": products[pid].get("price", 0), "quantity": qty, "attributes": a})
+        _validate("Order", None if isinstance(note, str) else ("note", "Input should be a valid string", "string_type", note))
         order = {"order_id": self._new_id("OT", "delivery"), "order_type": "delivery", "user_id": user_id,
                  "store_id": store_id, "note": note,
                  "location": {"address": address, "longitude": lon, "latitude": lat},
                  "dispatch_time": dispatch_time, "shipping_time": shipping, "delivery_time": delivery_time,
-                 "total_price": round(sum(l["price"] * l["quantity"] for l in lines), 2),
+                 "total_price": round(total, 2),
                  "create_time": self.now, "update_time": self.now, "status": "unpaid", "products": lines}
         self.db["orders"][order["order_id"]] = order
         return _dump(order)
@@ -725,6 +790,7 @@ class VitaEnv:
         return "\n".join(_dump(o) for o in rows) if rows else "No delivery orders available"
 
     def _t_get_delivery_order_detail(self, order_id):
+        _need(order_id, "Order ID cannot be empty")
         return _dump(self._delivery_order(order_id))
 
     # -- in-store tools
@@ -740,15 +806,16 @@ class VitaEnv:
     def _t_create_instore_product_order(self, user_id, shop_id, product_id, quantity=1):
         self._user_ok(user_id)
         _need(shop_id in self.stores, "Shop does not exist")
-        prods = {p.get("product_id"): p for p in self.stores[shop_id].get("products") or []}
-        _need(product_id in prods, "Product does not exist")
-        _need(int(quantity) > 0, "Quantity must be greater than 0")
-        p = prods[product_id]
+        prods = self.stores[shop_id].get("products") or []
+        _need(product_id in [p.get("product_id") for p in prods], "Product does not exist")   # a list: no error
+        _need(quantity > 0, "Quantity must be greater than 0")
+        p = next(p for p in prods if p.get("product_id") == product_id)
+        # upstream assigns quantity to the product unvalidated: 1.5, True, 2.0 are stored and priced as given
         order = {"order_id": self._new_id("OI", "instore"), "order_type": "instore", "user_id": user_id,
-                 "store_id": shop_id, "note": "", "location": None, "total_price": round(int(quantity) * p.get("price", 0), 2),
+                 "store_id": shop_id, "note": "", "location": None, "total_price": round(quantity * p.get("price", 0), 2),
                  "create_time": self.now, "update_time": self.now, "status": "unpaid",
                  "products": [{"product_id": product_id, "name": p.get("name"), "shop_id": shop_id,
-                               "price": p.get("price", 0), "quantity": int(quantity), "tags": p.get("tags", [])}]}
+                               "price": p.get("price", 0), "quantity": quantity, "tags": p.get("tags", [])}]}
         self.db["orders"][order["order_id"]] = order
         return _dump(order)
 
@@ -776,18 +843,22 @@ class VitaEnv:
     def _t_instore_book(self, user_id, shop_id, time, customer_count=1):
         self._user_ok(user_id)
         _need(shop_id in self.stores, "Shop does not exist")
-        _need(int(customer_count) > 0, "Number of customers for table booking must be greater than 0")
+        _need(customer_count > 0, "Number of customers for table booking must be greater than 0")
+        _need(time, "Table booking time cannot be empty")
         _need(_check_time(time), "Table booking time format is incorrect, correct format is %Y-%m-%d %H:%M:%S")
         shop = self.stores[shop_id]
         _need(shop.get("enable_book"), "Shop does not support table booking")
         price = shop.get("book_price", 0) or 0
+        customer_count, bad = _int_field("customer_count", customer_count)     # upstream's BookInfo(...)
+        _validate("BookInfo", bad)
         book = {"book_id": self._new_id("OI", "instore_book"), "shop_id": shop_id, "book_time": time,
-                "customer_id": user_id, "customer_count": int(customer_count), "book_price": price,
+                "customer_id": user_id, "customer_count": customer_count, "book_price": price,
                 "status": "unpaid" if price > 0 else "paid", "update_time": self.now}
         self.db["books"][book["book_id"]] = book
         return _dump(book)
 
     def _t_pay_instore_book(self, book_id):
+        _need(book_id, "Booking ID cannot be empty")
         b = self._resolve("books", book_id)
         if b["status"] != "unpaid":
             return f"BookInfo {b['book_id']} is not in `unpaid` status."
@@ -795,6 +866,7 @@ class VitaEnv:
         return "Payment successful"
 
     def _t_instore_cancel_book(self, book_id):
+        _need(book_id, "Booking ID cannot be empty")
         b = self._resolve("books", book_id)
         if b["status"] == "cancelled":
             return f"BookInfo {b['book_id']} is already cancelled."
@@ -805,24 +877,29 @@ class VitaEnv:
         self._user_ok(user_id)
         _need(shop_id in self.stores, "Shop does not exist")
         _need(_check_time(time), "Reservation time format is incorrect, correct format is %Y-%m-%d %H:%M:%S")
-        _need(int(customer_count) > 0, "Number of customers for reservation must be greater than 0")
+        _need(customer_count > 0, "Number of customers for reservation must be greater than 0")
+        customer_count, bad = _int_field("customer_count", customer_count)     # upstream's ReservationInfo(...)
+        _validate("ReservationInfo", bad)
         r = {"reservation_id": self._new_id("OI", "instore_reservation"), "shop_id": shop_id, "reservation_time": time,
-             "customer_id": user_id, "customer_count": int(customer_count), "status": "unconsumed", "update_time": self.now}
+             "customer_id": user_id, "customer_count": customer_count, "status": "unconsumed", "update_time": self.now}
         self.db["reservations"][r["reservation_id"]] = r
         return _dump(r)
 
     def _t_instore_modify_reservation(self, reservation_id, time, customer_count=0):
+        _need(reservation_id, "Reservation ID cannot be empty")
         r = self._resolve("reservations", reservation_id)
         if r["status"] in ("consumed", "cancelled"):
             return f"ReservationInfo {r['reservation_id']} is already {r['status']}."
-        _need(int(customer_count) >= 0, "Number of customers for reservation must be greater than or equal to 0")
+        _need(customer_count >= 0, "Number of customers for reservation must be greater than or equal to 0")
+        _need(time, "Reservation time cannot be empty")
         _need(_check_time(time), "Reservation time format is incorrect, correct format is %Y-%m-%d %H:%M:%S")
         r["reservation_time"], r["update_time"] = time, self.now
-        if int(customer_count) > 0:
-            r["customer_count"] = int(customer_count)
+        if customer_count > 0:                    # upstream assigns it unvalidated: 1.5 or True is stored as given
+            r["customer_count"] = customer_count
         return _dump(r)
 
     def _t_instore_cancel_reservation(self, reservation_id):
+        _need(reservation_id, "Reservation ID cannot be empty")
         r = self._resolve("reservations", reservation_id)
         if r["status"] == "cancelled":
             return f"ReservationInfo {r['reservation_id']} is already cancelled."
@@ -850,7 +927,7 @@ class VitaEnv:
             return self._user_rows("books", user_id, "book")
         self._user_ok(user_id)
         b = self._resolve("books", book_id)
-        return _dump(b) if b.get("customer_id") == user_id else f"BookInfo {book_id} does not belong to user {user_id}."
+        return _dump(b) if b.get("customer_id") == user_id else f"BookInfo {book_id} is not belong to user {user_id}."
 
     def _t_search_instore_reservation(self, user_id, reservation_id=None):
         if reservation_id is None:
@@ -858,7 +935,7 @@ class VitaEnv:
         self._user_ok(user_id)
         r = self._resolve("reservations", reservation_id)
         return _dump(r) if r.get("customer_id") == user_id else \
-            f"ReservationInfo {reservation_id} does not belong to user {user_id}."
+            f"ReservationInfo {reservation_id} is not belong to user {user_id}."
 
     # -- state for scoring
     def final_items(self) -> list[dict]:
