@@ -103,6 +103,9 @@ def build_parser():
     p.add_argument("--max-total-len", type=_int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
+    p.add_argument("--max-rows", type=_int_at_least(1), default=64,
+                   help="rows of one engine batch: tasks run together, each with its 1 + B rehearsal rows, and "
+                        "join as others finish (results equal running them one at a time)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
     p.add_argument("--device", default="auto")
     return p
@@ -264,34 +267,41 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     make_env = make_env_fn(mod, model_user_fn(user_eng, SamplingConfig(temperature=args.temperature,
                                                                        top_p=args.top_p, greedy=args.greedy,
                                                                        seed=args.seed)))
-    records = []
-    bar = tqdm(total=len(tasks) * args.num_trials, desc=f"{mod.NAME} B={budget}", unit="traj", file=sys.stderr)
+    specs, keys = [], []
+    for trial in range(args.num_trials):
+        for i, task in enumerate(tasks):
+            seed = args.seed + 100_003 * trial + i          # the same for every budget (--compare)
+            cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
+                                 max_new_tokens=args.max_new_tokens, max_world_tokens=args.max_world_tokens,
+                                 max_turns=args.max_turns, max_total_len=args.max_total_len, seed=seed)
+            specs.append(rehearse.EpisodeSpec(task, cfg, make_env=make_env))
+            keys.append((trial, seed))
+    records: list = [None] * len(specs)
+    bar = tqdm(total=len(specs), desc=f"{mod.NAME} B={budget}", unit="traj", file=sys.stderr)
     with open(out_path, "w") as fh:
-        for trial in range(args.num_trials):
-            for i, task in enumerate(tasks):
-                seed = args.seed + 100_003 * trial + i          # the same for every budget (--compare)
-                cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, greedy=args.greedy,
-                                     max_new_tokens=args.max_new_tokens, max_world_tokens=args.max_world_tokens,
-                                     max_turns=args.max_turns, max_total_len=args.max_total_len, seed=seed)
-                ep = rehearse.act(eng, task, cfg, make_env(task), rcfg)
-                traj = ep.trajectory
-                score = mod.score(task, traj)
-                rec = {"task_id": task.id, "trial": trial, "seed": seed, "budget": budget, "mode": args.rehearsal_mode,
-                       "group": group_of(task),
-                       "metadata": {k: task.metadata[k] for k in GROUP_KEYS if k in task.metadata},
-                       "reward": float(score.reward), "components": _jsonable(score.components),
-                       "end_reason": traj.end_reason, "final_answer": traj.final_answer,
-                       "calls": [{"name": c.name, "arguments": c.arguments, "turn": c.turn} for c in traj.calls],
-                       "observations": traj.observations, "errors": traj.errors,
-                       "messages": _jsonable(traj.messages), "text": describe_row(ep.rollout, eng.tok, 0),
-                       "rehearsals": [[{k: v for k, v in r.items() if k not in ("tokens", "logprobs")} for r in turn]
-                                      for turn in ep.rehearsals],
-                       "fidelity": ep.fidelity,
-                       "stats": {k: v for k, v in ep.stats.items()}}
-                rec = _jsonable(rec)
-                fh.write(json.dumps(rec) + "\n")
-                records.append(rec)
-                bar.update(1)
+        def done(k, ep):                # written as each episode ends, so a stopped run keeps what it has
+            task, (trial, seed) = specs[k].task, keys[k]
+            traj = ep.trajectory
+            score = mod.score(task, traj)
+            rec = {"task_id": task.id, "trial": trial, "seed": seed, "budget": budget, "mode": args.rehearsal_mode,
+                   "group": group_of(task),
+                   "metadata": {k: task.metadata[k] for k in GROUP_KEYS if k in task.metadata},
+                   "reward": float(score.reward), "components": _jsonable(score.components),
+                   "end_reason": traj.end_reason, "final_answer": traj.final_answer,
+                   "calls": [{"name": c.name, "arguments": c.arguments, "turn": c.turn} for c in traj.calls],
+                   "observations": traj.observations, "errors": traj.errors,
+                   "messages": _jsonable(traj.messages), "text": describe_row(ep.rollout, eng.tok, 0),
+                   "rehearsals": [[{k: v for k, v in r.items() if k not in ("tokens", "logprobs")} for r in turn]
+                                  for turn in ep.rehearsals],
+                   "fidelity": ep.fidelity,
+                   "stats": {k: v for k, v in ep.stats.items()}}
+            rec = _jsonable(rec)
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            records[k] = rec
+            bar.update(1)
+
+        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows, on_done=done)
     bar.close()
     return records
 

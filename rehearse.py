@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-import rollout
 from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
                          ChatFormat, validate_rehearsal)
-from rollout import Role, SamplingConfig, encode_conversation, new_kv_cache, ragged_chunk, sample
+from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, derive_seed,
+                     encode_conversation)
 
 # ==========================================================================================================
 # Test-time private rehearsal (evaluate.py)
@@ -30,19 +30,20 @@ from rollout import Role, SamplingConfig, encode_conversation, new_kv_cache, rag
 #               ASSESS_PREFIX, then a short assistant text (ACT, at most max_assess_tokens) judging the
 #               predicted outcome and suggesting a revision
 #
-# parallel:   `budget` proposals from the same committed context at once (the committed KV cache is
-#             deep-copied and batch_repeat_interleave'd to `budget` rows, ragged rows masked as in rollout.py).
-# sequential: one proposal at a time on the committed cache itself; proposal k starts from the committed
-#             context plus the memory of rehearsals 1..k-1 (so it sees the earlier predictions and
-#             assessments); afterwards the cache is cropped back to the committed length.
+# Every private sequence is a child row of the committed row in the engine's one decode loop (rollout.Spawn):
+# a child starts from the committed context's cache (its batch row is repeated, nothing is recomputed),
+# runs its own plan, and leaves the batch when done; the committed row waits meanwhile.
+# parallel:   `budget` proposals from the same committed context at once (`budget` child rows).
+# sequential: one proposal at a time; proposal k starts from the committed context plus the memory of
+#             rehearsals 1..k-1 (so it sees the earlier predictions and assessments).
 #
 # The rehearsal memory (memory_text) is a short plain-text block that the committed assistant turn STARTS
-# with: the engine feeds it after the assistant header and the policy continues with its committed turn.
-# Why there and not as a user-role note: (1) the committed context already ends with the generation header,
-# so the branch point is exactly the committed length and needs no template surgery; (2) the model reads
-# the notes as its own (like a thinking block), which conditions the next tokens most directly; (3) removal
-# is a cache.crop(n) back to the committed length followed by feeding only the committed turn's sampled
-# tokens, so the kept context is token-for-token what plain acting with that turn would hold.
+# with: a last child row holds the committed context + the memory and samples the committed turn; only those
+# sampled tokens are appended to the committed row (fed to it next step). Why there and not as a user-role
+# note: (1) the committed context already ends with the generation header, so the branch point is exactly
+# the committed length and needs no template surgery; (2) the model reads the notes as its own (like a
+# thinking block), which conditions the next tokens most directly; (3) the committed row never holds the
+# memory, so the kept context is token-for-token what plain acting with that turn would hold.
 # The memory is removed: the committed token sequence never contains it, nor any WORLD token; the
 # environment executes only committed calls, and user_turn sees only the committed turn's text.
 # (The committed tokens' recorded log-probs are those under the memory-conditioned context.)
@@ -52,8 +53,12 @@ from rollout import Role, SamplingConfig, encode_conversation, new_kv_cache, rag
 # the committed context, plus the memory so far in sequential mode). Budget 0 is plain acting, token for
 # token what Engine.run(world="real") produces for the same seed.
 #
-# Costs are counted per bucket: "act" (committed), "private" (proposals, rehearsals, assessments, the
-# memory and the re-fed committed tokens) and "fidelity" (the discarded world-model probes).
+# Costs are counted per bucket: "act" (the committed row, the memory and the re-fed committed tokens),
+# "private" (proposals, rehearsals, assessments) and "fidelity" (the discarded world-model probes); a
+# step's wall time is split over its rows by the tokens each fed or sampled.
+#
+# Many tasks run as rows of one batch (act_many, used by evaluate.py): rows sample from generators seeded
+# by their own task's seed, turn and branch, so every episode equals its run alone.
 
 MODES = ("parallel", "sequential")
 
@@ -236,131 +241,7 @@ def fidelity(predicted: str, real: str) -> dict:
             "predicted_error": pe, "error_correct": pe == re_}
 
 
-# -- a KV cache shared by ragged rows ------------------------------------------------------------------------
-
-class _KV:
-    """A KV cache (rollout.new_kv_cache) with its attention mask (holes where ragged rows were left-padded)."""
-
-    def __init__(self, eng, cache=None, mask=None):
-        self.eng = eng
-        self.device = next(eng.model.parameters()).device
-        self.cache = cache if cache is not None else new_kv_cache()
-        self.mask = mask if mask is not None else torch.zeros((1, 0), dtype=torch.long, device=self.device)
-
-    def feed(self, lines, stats, bucket) -> "torch.Tensor":
-        """Feed each line's uncached tokens (line.ids[line.n_cached:], at least one each); next-token logits."""
-        feeds = [ln.ids[ln.n_cached:] for ln in lines]
-        assert all(feeds), "every row needs an uncached token to get next-token logits"
-        ids, chunk, pos = ragged_chunk(feeds, [ln.n_cached for ln in lines], self.eng.tok.pad_token_id)
-        self.mask = torch.cat([self.mask, chunk.to(self.device)], dim=1)
-        out = self.eng.model(input_ids=ids.to(self.device), attention_mask=self.mask, position_ids=pos.to(self.device),
-                             cache=self.cache, use_cache=True, logits_to_keep=1)
-        stats[f"{bucket}_fed"] = stats.get(f"{bucket}_fed", 0) + sum(len(f) for f in feeds)
-        stats["forward_calls"] = stats.get("forward_calls", 0) + 1
-        for ln in lines:
-            ln.n_cached = len(ln.ids)
-        return out.logits[:, -1].float()
-
-    def select(self, keep: list[int]):
-        idx = torch.tensor(keep, device=self.device)
-        self.cache.batch_select_indices(idx)
-        self.mask = self.mask[idx]
-
-    def crop(self, n: int):
-        """Back to the first n tokens (batch 1 without holes: the committed context)."""
-        assert self.mask.shape[0] == 1 and bool(self.mask.all()), "crop is only exact for the hole-free batch-1 cache"
-        extra = self.cache.get_seq_length() - n
-        if extra > 0:   # a negative argument removes that many tokens, in old and new transformers alike
-            self.cache.crop(-extra)
-        self.mask = self.mask[:, :n]
-
-    def fork(self, k: int) -> "_KV":
-        cache = copy.deepcopy(self.cache)
-        cache.batch_repeat_interleave(k)
-        return _KV(self.eng, cache, self.mask.repeat_interleave(k, dim=0))
-
-
-class _Line:
-    """A token sequence being extended on a _KV row: the committed turn, a private branch, or a probe."""
-
-    def __init__(self, fmt: ChatFormat, stream, ids, n_cached):
-        self.fmt = fmt
-        self.stream = stream        # the row id the steering hook sees: 0 committed, 1.. private, -1 fidelity
-        self.ids = list(ids)
-        self.roles = [None] * len(ids)
-        self.logprobs = [0.0] * len(ids)
-        self.n_cached = n_cached
-        self.plan = deque()          # ("text", text, role, trusted) / ("gen", role, max_tokens, on_end)
-        self.gen_role, self.gen_start, self.gen_max, self.on_end = None, len(ids), 0, None
-        self.done = False
-        self.rec = None
-
-    def append(self, ids, role, logprobs=None):
-        self.ids += ids
-        self.roles += [role] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-    def advance(self):
-        """Append plan text up to the next generation segment (encoded in one piece, as the engine does)."""
-        pending = []
-        while self.plan:
-            item = self.plan.popleft()
-            if item[0] == "text":
-                pending.append(item[1:])
-                continue
-            ids, roles = self.fmt.encode(pending)
-            self.ids += ids
-            self.roles += roles
-            self.logprobs += [0.0] * len(ids)
-            _, self.gen_role, self.gen_max, self.on_end = item
-            self.gen_start = len(self.ids)
-            return
-        ids, roles = self.fmt.encode(pending)
-        self.ids += ids
-        self.roles += roles
-        self.logprobs += [0.0] * len(ids)
-        self.done = True
-
-
-def _drive(eng, kv: _KV, lines: list[_Line], logits, cfg, gen, steer, stats, bucket, max_len):
-    """Sample every line (the rows of kv, in order) until its plan is exhausted; rows leave as they finish.
-
-    logits: next-token logits of each line, or None when each line has uncached tokens to feed first.
-    """
-    active = [ln for ln in lines if not ln.done]
-    if not active:
-        return
-    if len(active) < len(lines):
-        kv.select([j for j, ln in enumerate(lines) if not ln.done])
-        logits = None if logits is None else logits[[j for j, ln in enumerate(lines) if not ln.done]]
-    if active and logits is None:
-        logits = kv.feed(active, stats, bucket)
-    while active:
-        steered = None if steer is None else steer(
-            [ln.stream for ln in active], [(ln.gen_role, ln.ids[ln.gen_start:]) for ln in active], logits.clone())
-        tokens, logps = sample(logits, cfg, gen, steered)
-        stats[f"{bucket}_sampled"] = stats.get(f"{bucket}_sampled", 0) + len(active)
-        for ln, t, lp in zip(active, tokens.tolist(), logps.tolist()):
-            ln.append([t], ln.gen_role, [lp])
-            stopped = t in eng.fmt.stop_ids or (ln.gen_role == Role.WORLD
-                                                and eng.fmt.ends_with_world_stop(ln.ids[ln.gen_start:]))
-            too_long = len(ln.ids) >= max_len
-            if stopped or too_long or len(ln.ids) - ln.gen_start >= ln.gen_max:
-                if ln.on_end is not None:
-                    ln.on_end(ln, stopped)
-                ln.advance()
-                if too_long:
-                    ln.plan.clear()
-                    ln.done = True
-        keep = [j for j, ln in enumerate(active) if not ln.done]
-        if len(keep) < len(active) and keep:
-            kv.select(keep)
-        active = [active[j] for j in keep]
-        if active:
-            logits = kv.feed(active, stats, bucket)
-
-
-# -- one episode ---------------------------------------------------------------------------------------------
+# -- one committed episode per task, its private rehearsals as child rows of the one decode loop -------------
 
 @dataclass
 class Episode:
@@ -368,185 +249,247 @@ class Episode:
     rehearsals: list = field(default_factory=list)   # per committed turn: list of private records
     fidelity: list = field(default_factory=list)     # per real call: {"call", "predicted", "real", **fidelity()}
     stats: dict = field(default_factory=dict)
+    private_contexts: list = field(default_factory=list)  # every private row's token ids as it ended, in order
 
     @property
     def trajectory(self):
         return self.rollout.trajectories[0]
 
 
-class _Rehearser:
-    def __init__(self, eng, task, cfg, rcfg, steer, max_len, stats):
-        self.eng, self.task, self.cfg, self.rcfg, self.steer = eng, task, cfg, rcfg, steer
-        self.max_len, self.stats = max_len, stats
+class Rehearser:
+    """The hooks of one committed row (rollout.Row.hooks): private rehearsals before each committed turn and
+    a discarded world-model probe before each real call. Each is a Spawn of child rows in the engine's decode
+    loop: branches fork the committed context's cache, run their own plans, and leave the batch when done."""
 
-    def _decode(self, ids):
-        return self.eng.tok.decode(ids, skip_special_tokens=False)
+    def __init__(self, eng, task, cfg: SamplingConfig, rcfg: RehearsalConfig, episode: Episode):
+        self.eng, self.task, self.cfg, self.rcfg, self.episode = eng, task, cfg, rcfg, episode
+        # committed turns sample as Engine.run's row 0 does; probes from a stream of their own
+        self.fidelity_rng = torch.Generator(device="cpu").manual_seed(cfg.seed + 104729)
+        self.predicted: dict[int, str] = {}
 
-    def private_line(self, stream, ids, n_cached, seen_memory: str = "") -> _Line:
+    # -- private rehearsal before a committed turn ------------------------------------------------------------
+
+    def before_turn(self, row: Row, item: Generate) -> Spawn | None:
+        self.episode.stats["committed_turns"] += 1
+        if self.rcfg.budget == 0:
+            return None
+        records: list[dict] = []
+        self.episode.rehearsals.append(records)
+        turn = len(self.episode.rehearsals)
+        if self.rcfg.mode == "parallel":
+            return Spawn(lambda r: [self.private_branch(r, turn, k, 1 + k, "") for k in range(self.rcfg.budget)],
+                         lambda r: self._after_parallel(r, records))
+        return self._sequential(records, turn)
+
+    def _sequential(self, records, turn) -> Spawn:
+        memory = memory_text(records, self.rcfg.memory_chars)
+        return Spawn(lambda r: [self.private_branch(r, turn, len(records), 1, memory)],
+                     lambda r: self._after_sequential(r, records, turn))
+
+    def _children(self, row: Row) -> list[Row]:
+        children = row.record.pop("children")
+        self.episode.private_contexts += [list(c.ids) for c in children]
+        return children
+
+    def _after_parallel(self, row: Row, records: list[dict]):
+        records += [c.record for c in self._children(row)]
+        self._count(records)
+        if not any(r["items"] for r in records):     # no proposal calls a tool: commit the first answer as is
+            return self._commit(row, records[0]["tokens"], records[0]["logprobs"])
+        row.spawn = self._commit_from_memory(memory_text(records, self.rcfg.memory_chars))
+
+    def _after_sequential(self, row: Row, records: list[dict], turn: int):
+        records += [c.record for c in self._children(row)]
+        if not records[-1]["items"]:                 # an answer, sampled from the context + the memory so far
+            self._count(records)
+            return self._commit(row, records[-1]["tokens"], records[-1]["logprobs"])
+        if len(records) < self.rcfg.budget:
+            row.spawn = self._sequential(records, turn)
+            return
+        self._count(records)
+        row.spawn = self._commit_from_memory(memory_text(records, self.rcfg.memory_chars))
+
+    def _count(self, records):
+        stats, n_reh = self.episode.stats, sum(1 for r in records if r["items"])
+        stats["rehearsals"] += n_reh
+        stats["rehearsed_turns"] += bool(n_reh)
+
+    def private_branch(self, parent: Row, turn: int, k: int, stream: int, memory: str) -> Row:
         """A branch that proposes a turn, rehearses each call's response and assesses the outcome."""
         eng, fmt, cfg = self.eng, self.eng.fmt, self.cfg
-        line = _Line(fmt, stream, ids, n_cached)
-        line.rec = {"content": "", "raw": "", "items": [], "assessment": "", "terminated": False, "tokens": [],
-                    "seen_memory": seen_memory}
+        line = parent.fork(stream, derive_seed(cfg.seed, "private", turn, k), "private")
+        parent.record.setdefault("children", []).append(line)
+        line.record = {"content": "", "raw": "", "items": [], "assessment": "", "terminated": False, "tokens": [],
+                       "seen_memory": memory}
 
         def on_world(index):
             def end(ln, stopped):
                 text, on_tag = eng.rehearsal_text(ln.ids[ln.gen_start:], stopped)
-                ln.rec["items"][index].update(predicted=text, defects=validate_rehearsal(text, on_tag))
+                ln.record["items"][index].update(predicted=text, defects=validate_rehearsal(text, on_tag))
                 if not on_tag:
-                    ln.plan.appendleft(("text", fmt.obs_end, Role.PROMPT, True))
+                    ln.plan.appendleft(Text(fmt.obs_end, Role.PROMPT))
             return end
 
         def on_assess(ln, stopped):
             gen_ids = ln.ids[ln.gen_start:]
-            ln.rec["assessment"] = self._decode(gen_ids[:-1] if stopped else gen_ids).strip()
+            ln.record["assessment"] = self._decode(gen_ids[:-1] if stopped else gen_ids).strip()
 
         def on_proposal(ln, stopped):
             gen_ids = ln.ids[ln.gen_start:]
-            ln.rec["tokens"], ln.rec["logprobs"] = list(gen_ids), list(ln.logprobs[ln.gen_start:])
-            ln.rec["terminated"] = stopped
+            ln.record["tokens"], ln.record["logprobs"] = list(gen_ids), list(ln.logprobs[ln.gen_start:])
+            ln.record["terminated"] = stopped
             text = self._decode(gen_ids[:-1] if stopped else gen_ids)
             parsed = fmt.parse(text, self.task.tools)
-            ln.rec["raw"], ln.rec["content"] = text, parsed.content
+            ln.record["raw"], ln.record["content"] = text, parsed.content
             if not stopped or not parsed.items:
                 return                                   # an answer (or a cut-off turn): nothing to rehearse
             for kind, value in fmt.tool_turn(len(parsed.items)):
                 item = parsed.items[value] if kind == "response" else None
                 if kind == "text":
-                    ln.plan.append(("text", value, Role.PROMPT, True))
+                    ln.plan.append(Text(value, Role.PROMPT))
                 elif isinstance(item, CallError):
                     obs = item.observation()
-                    ln.rec["items"].append({"error": f"{item.kind}: {item.message}", "predicted": obs})
-                    ln.plan.append(("text", fmt.response_text(obs), Role.OBS, False))
-                    ln.plan.append(("text", fmt.obs_end, Role.PROMPT, True))
+                    ln.record["items"].append({"error": f"{item.kind}: {item.message}", "predicted": obs})
+                    ln.plan += [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
                 else:
-                    ln.rec["items"].append({"name": item.name, "arguments": item.arguments, "predicted": ""})
-                    ln.plan.append(("gen", Role.WORLD, cfg.max_world_tokens, on_world(len(ln.rec["items"]) - 1)))
-            ln.plan.append(("text", ASSESS_PREFIX, Role.PROMPT, False))
-            ln.plan.append(("gen", Role.ACT, self.rcfg.max_assess_tokens, on_assess))
+                    ln.record["items"].append({"name": item.name, "arguments": item.arguments, "predicted": ""})
+                    ln.plan.append(Generate(Role.WORLD, cfg.max_world_tokens,
+                                            on_end=on_world(len(ln.record["items"]) - 1)))
+            ln.plan.append(Text(ASSESS_PREFIX, Role.PROMPT, False))
+            ln.plan.append(Generate(Role.ACT, self.rcfg.max_assess_tokens, on_end=on_assess))
 
-        line.plan.append(("gen", Role.ACT, cfg.max_new_tokens, on_proposal))
-        line.advance()
+        if memory:
+            line.plan.append(Text(memory, Role.PROMPT, False))
+        line.plan.append(Generate(Role.ACT, cfg.max_new_tokens, on_end=on_proposal))
         return line
 
-    def rehearse_turn(self, kv: _KV, ids: list[int], ctx_logits, gen):
-        """Private rehearsals from the committed context `ids` (all cached in kv, batch 1).
+    def _commit_from_memory(self, memory: str) -> Spawn:
+        """The committed turn, generated after the memory on a branch; the committed row gets its tokens only
+        (the memory never enters the committed sequence)."""
+        def make(parent):
+            line = parent.fork(0, 0, "act")
+            line.rng = parent.rng                       # the committed stream, as without rehearsal
+            line.extra_len = len(self.eng.fmt.encode_text(memory))
+            parent.record.setdefault("children", []).append(line)
+            line.plan += [Text(memory, Role.PROMPT, False), Generate(Role.ACT, self.cfg.max_new_tokens,
+                                                                     on_end=lambda ln, stopped: None)]
+            return [line]
 
-        Returns (records, memory_ids, direct): direct is (tokens, logprobs) of a proposal to commit as is,
-        or None when the committed turn must be generated from the memory. kv is left at len(ids).
-        """
-        rcfg, n = self.rcfg, len(ids)
-        if rcfg.mode == "parallel":
-            branch = kv.fork(rcfg.budget)
-            lines = [self.private_line(1 + j, ids, n) for j in range(rcfg.budget)]
-            _drive(self.eng, branch, lines, ctx_logits.repeat(rcfg.budget, 1), self.cfg, gen, self.steer,
-                   self.stats, "private", self.max_len)
-            del branch
-            records = [ln.rec for ln in lines]
-            if not any(r["items"] for r in records):
-                return records, [], (records[0]["tokens"], records[0]["logprobs"])
-            return records, self.eng.fmt.encode_text(memory_text(records, rcfg.memory_chars)), None
-        records, memory_ids = [], []
-        for _ in range(rcfg.budget):
-            memory = memory_text(records, rcfg.memory_chars)
-            memory_ids = self.eng.fmt.encode_text(memory) if memory else []
-            line = self.private_line(1, ids + memory_ids, n, memory)
-            _drive(self.eng, kv, [line], None if memory_ids else ctx_logits, self.cfg, gen, self.steer,
-                   self.stats, "private", self.max_len)
-            kv.crop(n)
-            records.append(line.rec)
-            if not line.rec["items"]:          # an answer, sampled from the context + the memory so far
-                return records, memory_ids, (line.rec["tokens"], line.rec["logprobs"])
-        return records, self.eng.fmt.encode_text(memory_text(records, rcfg.memory_chars)), None
+        def then(parent):
+            line = self._children(parent)[0]
+            self.episode.stats["memory_tokens"] += line.gen_start - len(parent.ids)
+            self._commit(parent, line.ids[line.gen_start:], line.logprobs[line.gen_start:])
+        return Spawn(make, then)
 
-    def probe(self, kv: _KV, row, pending: list, gen) -> str:
-        """Let the policy write the response of the call about to be executed, on a branch then discarded.
+    def _commit(self, row: Row, tokens: list[int], logprobs: list[float]):
+        """Append a committed turn sampled elsewhere (its tokens are fed to the committed row next step) and
+        apply the turn transition exactly as if the row had sampled it."""
+        self.episode.stats["refed_tokens"] += max(len(tokens) - 1, 0)
+        row.gen, row.gen_start = Generate(Role.ACT, self.cfg.max_new_tokens), len(row.ids)
+        row.append(tokens, Role.ACT, logprobs)
+        stopped = tokens[-1] in self.eng.fmt.stop_ids
+        if stopped or len(tokens) >= self.cfg.max_new_tokens:
+            self.eng.end_act(row, stopped, self.cfg, None)
+        else:
+            row.gen = None
 
-        pending: the scaffolding text the engine will append before the response (not yet in row.ids)."""
-        committed = len(row.ids)
-        logits = kv.feed([row], self.stats, "act") if row.n_cached < committed else None   # committed tokens
-        line = _Line(self.eng.fmt, -1, row.ids, committed)
-        out = {}
+    # -- the world-model probe before a real call --------------------------------------------------------------
 
-        def end(ln, stopped):
-            out["text"] = self.eng.rehearsal_text(ln.ids[ln.gen_start:], stopped)[0]
+    def before_response(self, row: Row, item: Response) -> Spawn | None:
+        if not self.rcfg.fidelity:
+            return None
 
-        line.plan.extend(("text", *piece) for piece in pending)
-        line.plan.append(("gen", Role.WORLD, self.cfg.max_world_tokens, end))
-        line.advance()
-        fresh = len(line.ids) > committed          # the scaffolding before the response, fed on the branch
-        _drive(self.eng, kv, [line], None if fresh else logits, self.cfg, gen, self.steer, self.stats, "fidelity",
-               self.max_len)
-        kv.crop(committed)
-        row.n_cached = committed
-        return out.get("text", "")
+        def make(parent):
+            probe = parent.fork(-1, 0, "fidelity")
+            probe.rng = self.fidelity_rng
+            parent.record.setdefault("children", []).append(probe)
+            probe.plan += [copy.copy(t) for t in parent.pending]
+            probe.plan.append(Generate(Role.WORLD, self.cfg.max_world_tokens, on_end=lambda ln, stopped: None))
+            return [probe]
+
+        def then(parent):
+            probe = self._children(parent)[0]
+            self.predicted[item.call] = self.eng.rehearsal_text(
+                probe.ids[probe.gen_start:], probe.ids[-1] in self.eng.fmt.stop_ids
+                or self.eng.fmt.ends_with_world_stop(probe.ids[probe.gen_start:]))[0]
+        return Spawn(make, then)
+
+    def after_response(self, row: Row, index: int, text: str):
+        if index in self.predicted:
+            call = row.traj.calls[index]
+            predicted = self.predicted.pop(index)
+            self.episode.fidelity.append({"call": {"name": call.name, "arguments": call.arguments},
+                                          "predicted": predicted, "real": text, **fidelity(predicted, text)})
+
+    def _decode(self, ids):
+        return self.eng.tok.decode(ids, skip_special_tokens=False)
+
+
+@dataclass
+class EpisodeSpec:
+    """One committed trajectory to run: its task, sampling config (seed included) and real environment
+    (`env`, or `make_env(task)` called when the episode starts)."""
+    task: object
+    cfg: SamplingConfig
+    env: object = None
+    make_env: object = None
 
 
 @torch.inference_mode()
-def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, steer=None) -> Episode:
-    """One committed trajectory on the real environment `env`, with private rehearsal before each turn."""
-
-    cfg = eng.cfg = cfg or SamplingConfig()
+def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_rows: int = 64, on_done=None,
+             progress=None) -> list[Episode]:
+    """Committed trajectories for many tasks in one engine batch: each task's committed row and its private
+    branches are rows of the same decode loop; tasks join as rows leave, holding at most ~max_rows rows
+    (each task brings 1 + budget). Results equal running each spec alone (greedy: the same tokens; sampled:
+    each row samples from generators seeded by its own spec). on_done(i, episode) as each one ends."""
     rcfg = rcfg or RehearsalConfig()
-    max_len = min(cfg.max_total_len, getattr(eng.model.config, "max_position_embeddings", cfg.max_total_len))
-    stats = {"seconds": 0.0, "private_seconds": 0.0, "fidelity_seconds": 0.0, "committed_turns": 0,
-             "rehearsed_turns": 0, "rehearsals": 0, "memory_tokens": 0, "refed_tokens": 0}
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)               # committed turns: as Engine.run
-    pgen = torch.Generator(device="cpu").manual_seed(cfg.seed + 7919)       # private branches
-    fgen = torch.Generator(device="cpu").manual_seed(cfg.seed + 104729)     # fidelity probes
-    t_start = time.perf_counter()
-    row = rollout._Row(0, 0, task, env, eng.prompt_ids(task))
-    helper = _Rehearser(eng, task, cfg, rcfg, steer, max_len, stats)
-    episode = Episode(rollout=None, stats=stats)
-    kv = _KV(eng)
-    if len(row.ids) >= max_len:
-        row.traj.errors.append(f"context_too_long: the prompt has {len(row.ids)} tokens, limit {max_len}")
-        row.finish("max_length")
-    else:
-        row.n_cached = 0
-        ctx_logits = kv.feed([row], stats, "act")
-    while not row.done:
-        n = len(row.ids)                        # committed length; everything is cached, ctx_logits is next
-        memory_ids, direct = [], None
-        if rcfg.budget > 0:
-            t0 = time.perf_counter()
-            records, memory_ids, direct = helper.rehearse_turn(kv, row.ids, ctx_logits, pgen)
-            stats["private_seconds"] += time.perf_counter() - t0
-            episode.rehearsals.append(records)
-            n_reh = sum(1 for r in records if r["items"])
-            stats["rehearsals"] += n_reh
-            stats["rehearsed_turns"] += bool(n_reh)
-            stats["memory_tokens"] += len(memory_ids)
-        if direct is not None:
-            tokens, lps = direct               # kv holds the committed context only: the tokens are fed next
-            stats["refed_tokens"] += max(len(tokens) - 1, 0)
-        else:
-            line = _Line(eng.fmt, 0, row.ids + memory_ids, n)
-            line.plan.append(("gen", Role.ACT, cfg.max_new_tokens, None))
-            line.advance()
-            _drive(eng, kv, [line], None if memory_ids else ctx_logits, cfg, gen, steer, stats, "act",
-                   max_len + len(memory_ids))
-            tokens, lps = line.ids[line.gen_start:], line.logprobs[line.gen_start:]
-            if memory_ids:                     # drop the memory: back to the committed length
-                kv.crop(n)
-                stats["refed_tokens"] += max(len(tokens) - 1, 0)
-            else:
-                row.n_cached = n + len(tokens) - 1
-        if memory_ids or direct is not None:
-            row.n_cached = n
-        stats["committed_turns"] += 1
-        row.append(tokens, Role.ACT, lps)
-        stopped = tokens[-1] in eng.fmt.stop_ids
-        if stopped or len(tokens) >= cfg.max_new_tokens:
-            eng._end_act(row, stopped, None)
-            _advance(eng, helper, kv, row, rcfg, fgen, episode)
-        if not row.done and len(row.ids) >= max_len:
-            row.traj.errors.append(f"context_too_long: the trajectory reached max_total_len={max_len}")
-            row.truncate(max_len)
-            row.finish("max_length")
-        if not row.done:
-            ctx_logits = kv.feed([row], stats, "act")
-    stats["seconds"] = time.perf_counter() - t_start
+    specs = list(specs)
+    if len({json.dumps({**s.cfg.__dict__, "seed": 0}, sort_keys=True) for s in specs}) > 1:
+        raise ValueError("act_many runs specs whose sampling configs differ only in their seeds")
+    episodes: list[Episode | None] = [None] * len(specs)
+    queue = deque(range(len(specs)))
+    live: dict[int, tuple] = {}
+    per_task = 1 + rcfg.budget
+
+    def start(i):
+        spec = specs[i]
+        stats = {"seconds": 0.0, "act_seconds": 0.0, "private_seconds": 0.0, "fidelity_seconds": 0.0,
+                 "committed_turns": 0, "rehearsed_turns": 0, "rehearsals": 0, "memory_tokens": 0, "refed_tokens": 0}
+        ep = Episode(rollout=None, stats=stats)
+        env = spec.make_env(spec.task) if spec.make_env is not None else spec.env
+        row = Row(spec.task, eng.prompt_ids(spec.task), env, task_idx=i, stream=0, seed=spec.cfg.seed,
+                  counts=stats)
+        row.hooks = Rehearser(eng, spec.task, spec.cfg, rcfg, ep)
+        row.plan.append(Generate(Role.ACT, spec.cfg.max_new_tokens))
+        eng.advance(row)
+        live[i] = (row, ep, time.perf_counter())
+        return row
+
+    def admit(n_rows):
+        joining = []
+        while queue and (n_rows + len(joining) * per_task + per_task <= max(max_rows, per_task) or not n_rows
+                         and not joining):
+            joining.append(start(queue.popleft()))
+        return joining
+
+    def finished():
+        for i, (row, ep, t0) in list(live.items()):
+            if row.done:
+                del live[i]
+                episodes[i] = _close(eng, row, ep, time.perf_counter() - t0)
+                if on_done is not None:
+                    on_done(i, episodes[i])
+
+    cfg = specs[0].cfg if specs else SamplingConfig()
+    batch = KVBatch(eng.model, eng.tok.pad_token_id)
+    eng.decode(batch, cfg, None, steer, admit=lambda n: (finished(), admit(n))[1], progress=progress)
+    finished()
+    return episodes
+
+
+def _close(eng, row: Row, ep: Episode, seconds: float) -> Episode:
+    stats = ep.stats
+    stats["seconds"] = seconds
     for key in ("act_sampled", "act_fed", "private_sampled", "private_fed", "fidelity_sampled", "fidelity_fed"):
         stats.setdefault(key, 0)
     stats["committed_calls"] = len(row.traj.calls)
@@ -555,24 +498,10 @@ def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, stee
     stats["extra_sampled"] = stats["act_sampled"] + stats["private_sampled"] - row.roles.count(int(Role.ACT))
     stats["extra_fed"] = stats["act_fed"] + stats["private_fed"] - row.n_cached
     stats["extra_tokens"] = stats["extra_sampled"] + stats["extra_fed"]
-    episode.rollout = eng._collect([row], {k: v for k, v in stats.items()})
-    return episode
+    ep.rollout = eng.collect([row], {k: v for k, v in stats.items()})
+    return ep
 
 
-def _advance(eng, helper, kv, row, rcfg, fgen, episode):
-    """rollout.Engine._start_next for real calls, with a discarded fidelity probe before each execution."""
-
-    def probe_then_execute(row, index, pending):
-        predicted = None
-        if rcfg.fidelity:
-            t0 = time.perf_counter()
-            predicted = helper.probe(kv, row, pending, fgen)
-            helper.stats["fidelity_seconds"] += time.perf_counter() - t0
-        text = eng.execute_call(row, row.traj.calls[index])
-        if predicted is not None:
-            call = row.traj.calls[index]
-            episode.fidelity.append({"call": {"name": call.name, "arguments": call.arguments},
-                                     "predicted": predicted, "real": text, **fidelity(predicted, text)})
-        return text
-
-    eng._start_next(row, execute=probe_then_execute)
+def act(eng, task, cfg=None, env=None, rcfg: RehearsalConfig | None = None, steer=None) -> Episode:
+    """One committed trajectory on the real environment `env`, with private rehearsal before each turn."""
+    return act_many(eng, [EpisodeSpec(task, cfg or SamplingConfig(), env)], rcfg, steer)[0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import time
 from collections import deque
@@ -111,6 +112,24 @@ def _preallocated_layer_class():
                 self._k, self._v = self._k[indices, ...], self._v[indices, ...]
                 self._views()
 
+        def batch_extend(self, other, width):
+            """Append other's rows below ours; both are left-padded to `width` columns (masked by the caller)."""
+            mine, theirs = self.get_seq_length(), other.get_seq_length()
+            like = self._k if self._k is not None else other._k
+            shape = lambda b: (b, *like.shape[1:-2], max(width, 64), like.shape[-1])  # noqa: E731
+            b1 = self._k.shape[0] if self._k is not None else 0
+            k = like.new_zeros(shape(b1 + other._k.shape[0]))
+            v = like.new_zeros(shape(b1 + other._k.shape[0]))
+            if mine:
+                k[:b1, ..., width - mine:width, :] = self._k[..., :mine, :]
+                v[:b1, ..., width - mine:width, :] = self._v[..., :mine, :]
+            k[b1:, ..., width - theirs:width, :] = other._k[..., :theirs, :]
+            v[b1:, ..., width - theirs:width, :] = other._v[..., :theirs, :]
+            if not self.is_initialized:
+                self.device, self.is_initialized = other.device, True
+            self._k, self._v, self.length = k, v, width
+            self._views()
+
         def __deepcopy__(self, memo):
             twin = copy.copy(self)
             if self._k is not None:
@@ -179,26 +198,89 @@ WorldSwitch = Callable[[int, ToolCall], bool]   # (row, call) -> True to rehears
 Steer = Callable[[list[int], list[tuple[Role, list[int]]], torch.Tensor], torch.Tensor]
 
 
-class _Row:
-    """Host-side state of one trajectory while it is being generated."""
+def derive_seed(*parts) -> int:
+    """A seed from a row's identity (task seed, stream, turn, ...), the same whatever else shares the batch."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "big")
 
-    def __init__(self, index, task_idx, task, env, prompt_ids):
-        self.index, self.task_idx, self.task, self.env = index, task_idx, task, env
-        self.ids = list(prompt_ids)
-        self.roles = [int(Role.PROMPT)] * len(prompt_ids)
-        self.logprobs = [0.0] * len(prompt_ids)
-        self.spans = [Span(Role.PROMPT, 0, len(prompt_ids), 0)]
-        self.n_cached = len(prompt_ids)
-        self.plan: deque = deque()   # ("text", text, role, trusted) / ("response", call, error) / ("gen", role, payload)
-        self.gen_role, self.gen_payload, self.gen_start = Role.ACT, None, len(prompt_ids)
+
+# ----------------------------------------------------------------------------------------------------------
+# A row's plan: what happens between two generated segments
+
+
+@dataclass
+class Text:
+    """Text the engine appends: scaffolding, an observation, a user turn. Consecutive Texts are encoded as one
+    piece (so the ids equal the template's own tokenization); untrusted text never becomes an added token."""
+    text: str
+    role: Role
+    trusted: bool = True
+
+
+@dataclass
+class Response:
+    """A real response in a tool turn: call number `call` executed on the row's environment, or `error`'s
+    observation (a malformed call). `probed`: the fidelity probe (rehearse.py) has already run for it."""
+    call: int | None
+    error: CallError | None = None
+    probed: bool = False
+
+
+@dataclass
+class Generate:
+    """A segment the policy samples. WORLD segments write the response of call number `call`. on_end(row,
+    stopped) replaces the engine's own turn transition (test-time rehearsal's private branches)."""
+    role: Role
+    max_tokens: int
+    call: int | None = None
+    on_end: Callable | None = None
+
+
+@dataclass
+class Spawn:
+    """Fork child rows off this row once its tokens are cached: make(row) -> rows, each starting from this
+    row's context (its cache is copied, not recomputed). The row waits; then(row) runs when all have ended."""
+    make: Callable
+    then: Callable | None = None
+
+
+class Row:
+    """One token sequence being generated: a trajectory, or a private branch of one (rehearse.py)."""
+
+    def __init__(self, task: Task, ids: list[int], env=None, *, index: int = 0, task_idx: int = 0, stream: int = 0,
+                 seed: int = 0, bucket: str = "act", counts: dict | None = None, hooks=None):
+        self.task, self.env, self.index, self.task_idx, self.stream = task, env, index, task_idx, stream
+        self.ids = list(ids)
+        self.roles = [int(Role.PROMPT)] * len(ids)
+        self.logprobs = [0.0] * len(ids)
+        self.spans = [Span(Role.PROMPT, 0, len(ids), 0)]
+        self.n_cached = 0
+        self.plan: deque = deque()         # Text / Response / Generate / Spawn, applied in order
+        self.pending: list = []            # Text pieces not yet encoded (encoded together at the next segment)
+        self.gen: Generate | None = None   # the segment being sampled
+        self.gen_start = len(ids)
         self.turn = self.user_turn = 0
         self.traj = Trajectory(task_id=task.id, messages=[dict(m) for m in task.messages])
         self.defects: list[str] = []
         self.done = False
+        self.spawn: Spawn | None = None    # children to fork at the next step
+        self.spawn_then: Callable | None = None
+        self.waiting = 0                   # children still running
+        self.parent: Row | None = None
+        self.record: dict = {}             # what a private branch found (rehearse.py)
+        self.extra_len = 0                 # tokens allowed past max_total_len (a private memory block)
+        self.rng = torch.Generator(device="cpu").manual_seed(seed)
+        self.seed, self.bucket = seed, bucket
+        self.counts = counts if counts is not None else {}   # tokens fed/sampled per bucket, shared by an episode
+        self.hooks = hooks                 # test-time rehearsal: before_turn(row, item), before_response(...)
 
     @property
     def feed(self) -> list[int]:
         return self.ids[self.n_cached:]
+
+    @property
+    def ready(self) -> bool:
+        """Samples at this step: generating, not waiting, and every token cached (its logits are current)."""
+        return self.gen is not None and not self.waiting and not self.done and self.n_cached == len(self.ids)
 
     def append(self, ids, role, logprobs=None):
         if not ids:
@@ -207,20 +289,30 @@ class _Row:
         self.ids += ids
         self.roles += [int(role)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        last = self.spans[-1]
-        if last.role == role and last.end == start and last.turn == self.turn:
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last.role == role and last.end == start and last.turn == self.turn:
             last.end += len(ids)
         else:
-            self.spans.append(Span(role, start, start + len(ids), self.turn))
+            self.spans.append(Span(Role(role), start, start + len(ids), self.turn))
 
     def append_text(self, fmt: ChatFormat, pieces: list):
-        """Append text pieces (text, role, trusted), encoded together; each token takes its piece's role."""
-        ids, roles = fmt.encode(pieces)
+        """Append Text pieces, encoded together; each token takes its piece's role."""
+        ids, roles = fmt.encode([(p.text, p.role, p.trusted) for p in pieces])
         start = 0
         for k in range(1, len(ids) + 1):
             if k == len(ids) or roles[k] != roles[start]:
                 self.append(ids[start:k], roles[start])
                 start = k
+
+    def fork(self, stream: int, seed: int, bucket: str) -> "Row":
+        """A child that continues from this row's context (its trajectory is not the parent's)."""
+        child = Row(self.task, [], self.env, index=self.index, task_idx=self.task_idx, stream=stream, seed=seed,
+                    bucket=bucket, counts=self.counts)
+        child.ids, child.roles, child.logprobs = list(self.ids), list(self.roles), list(self.logprobs)
+        child.spans = [copy.copy(s) for s in self.spans]
+        child.n_cached, child.turn, child.user_turn, child.parent = self.n_cached, self.turn, self.user_turn, self
+        child.traj = None
+        return child
 
     def truncate(self, n):
         """Cut appended (never sampled-then-cached) tokens past n, e.g. an observation that overflows."""
@@ -230,11 +322,122 @@ class _Row:
 
     def finish(self, reason):
         self.done = True
-        self.traj.end_reason = reason
+        self.gen = None
+        if self.traj is not None:
+            self.traj.end_reason = reason
+
+
+class KVBatch:
+    """The rows being generated and their KV cache, with its attention mask (holes where ragged rows were
+    padded) and each row's latest next-token logits. Rows leave (`select`), fork (a row index repeated) and
+    join (`admit`: prefilled apart, one prefill per distinct prompt, then appended to the batch)."""
+
+    def __init__(self, model, pad_id: int, use_cache: bool = True):
+        self.model, self.pad_id, self.use_cache = model, pad_id, use_cache
+        self.device = next(model.parameters()).device
+        self.rows: list[Row] = []
+        self.cache = new_kv_cache() if use_cache else None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.logits: torch.Tensor | None = None
+        self.forward_calls = self.tokens_fed = 0
+
+    def select(self, slots: list[int]):
+        """Keep, reorder or repeat rows: row j of the result is row slots[j] (repeating one forks its cache)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if self.use_cache and self.mask.shape[0]:
+            self.cache.batch_select_indices(idx)
+            self.mask = self.mask[idx]
+        if self.logits is not None:
+            self.logits = self.logits[idx]
+
+    def _forward(self, ids, mask, pos, cache):
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        self.forward_calls += 1
+        return out.logits[:, -1].float()
+
+    def admit(self, rows: list[Row]):
+        """Add rows whose tokens are not cached yet; rows with the same prompt share one prefill."""
+        if not rows:
+            return
+        if not self.use_cache:                 # the reference path re-encodes everything at the next feed
+            self.rows += rows
+            if self.logits is not None:
+                self.logits = torch.cat([self.logits, self.logits.new_zeros((len(rows), self.logits.shape[-1]))])
+            return
+        prompts: dict[tuple, int] = {}
+        for r in rows:
+            if tuple(r.ids) not in prompts:
+                prompts[tuple(r.ids)] = len(prompts)
+                r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(r.ids)
+        ids, mask, pos = ragged_chunk([list(p) for p in prompts], [0] * len(prompts), self.pad_id)
+        cache = new_kv_cache()
+        mask = mask.to(self.device)
+        logits = self._forward(ids, mask, pos, cache)
+        self.tokens_fed += int(mask.sum())
+        pick = torch.tensor([prompts[tuple(r.ids)] for r in rows], device=self.device)
+        cache.batch_select_indices(pick)
+        for r in rows:
+            r.n_cached = len(r.ids)
+        self._append_cache(cache, mask[pick])
+        self.rows += rows
+        self.logits = logits[pick] if self.logits is None else torch.cat([self.logits, logits[pick]])
+
+    def _append_cache(self, cache, mask):
+        """Append another batch's cache (rows below ours), left-padding the shorter side with masked columns."""
+        if self.mask.shape[0] == 0:
+            self.cache, self.mask = cache, mask
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.batch_extend(theirs, width)
+        pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)  # noqa: E731
+        self.mask = torch.cat([pad(self.mask), pad(mask)])
+
+    def feed(self):
+        """Feed every row's uncached tokens in one forward (rows with none are padded); update their logits."""
+        fed = [j for j, r in enumerate(self.rows) if r.feed]
+        if not fed:
+            return
+        if not self.use_cache:   # reference path: re-encode each row's whole sequence (right-padded, no cache)
+            width = max(len(self.rows[j].ids) for j in fed)
+            ids = torch.full((len(fed), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(fed), width), dtype=torch.long)
+            for k, j in enumerate(fed):
+                ids[k, :len(self.rows[j].ids)] = torch.tensor(self.rows[j].ids)
+                mask[k, :len(self.rows[j].ids)] = 1
+            all_logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            last = torch.tensor([len(self.rows[j].ids) - 1 for j in fed], device=self.device)
+            logits = all_logits[torch.arange(len(fed), device=self.device), last].float()
+            self.forward_calls += 1
+            for j in fed:
+                self.tokens_fed += len(self.rows[j].ids)
+            self._set_logits(fed, logits)
+            for j in fed:
+                self.rows[j].n_cached = len(self.rows[j].ids)
+            return
+        feeds = [r.feed for r in self.rows]
+        ids, chunk_mask, pos = ragged_chunk(feeds, [r.n_cached for r in self.rows], self.pad_id)
+        self.mask = torch.cat([self.mask, chunk_mask.to(self.device)], dim=1)
+        logits = self._forward(ids, self.mask, pos, self.cache)
+        for r, f in zip(self.rows, feeds):
+            self.tokens_fed += len(f)
+            r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(f)
+            r.n_cached = len(r.ids)
+        self._set_logits(fed, logits[fed])
+
+    def _set_logits(self, rows: list[int], logits):
+        if self.logits is None or self.logits.shape[-1] != logits.shape[-1]:
+            self.logits = torch.zeros((len(self.rows), logits.shape[-1]), device=self.device)
+        self.logits[rows] = logits
 
 
 class Engine:
-    """Holds the model, tokenizer and the chat format derived from its template; `run` does the rollouts."""
+    """Holds the model, tokenizer and the chat format derived from its template; `run` does the rollouts.
+
+    One decode loop (`decode`) serves training rollouts, test-time rehearsal and evaluation: it feeds every
+    row's uncached tokens in one forward, forks rows that asked to spawn children, samples every ready row,
+    applies each ended segment's turn transition, and lets finished rows leave and new ones join."""
 
     def __init__(self, model, tok, template_kwargs: dict | None = None, call_format: str | None = None):
         """template_kwargs: extra variables for the chat template, e.g. {"enable_thinking": False} (Qwen3).
@@ -248,38 +451,55 @@ class Engine:
     def prompt_ids(self, task: Task) -> list[int]:
         return self.fmt.prompt_ids(task.messages, task.tools)
 
-    # -- host logic run when a row's generated segment ends --------------------------------------------
+    def max_len(self, cfg: SamplingConfig) -> int:
+        return min(cfg.max_total_len, getattr(self.model.config, "max_position_embeddings", cfg.max_total_len))
 
-    def _start_next(self, row: _Row, execute: Callable | None = None):
-        """Apply plan items in order until the next generation segment; an empty plan ends the row.
+    # -- turn transitions ----------------------------------------------------------------------------------
 
-        Text appended between two generated segments is encoded in one piece (chat_format.ChatFormat.encode),
-        so the ids equal the template's own tokenization. execute(row, call_index, pending_pieces) ->
-        observation replaces the plain real execution (rehearse.py wraps it with a discarded fidelity probe)."""
-        fmt, pending = self.fmt, []
+    def advance(self, row: Row):
+        """Apply plan items until the next generated segment or spawn; an empty plan ends the row. Text
+        between two segments is encoded in one piece, so the ids equal the template's own tokenization."""
+        fmt, hooks = self.fmt, row.hooks
         while row.plan:
             item = row.plan.popleft()
-            if item[0] == "text":
-                pending.append(item[1:])
-            elif item[0] == "response":   # a real response: call index, or None and the CallError to report
-                _, index, error = item
-                if index is None:
-                    text = error.observation()
+            if isinstance(item, Text):
+                row.pending.append(item)
+            elif isinstance(item, Response):
+                if item.call is not None and hooks is not None and not item.probed:
+                    spawn = hooks.before_response(row, item)
+                    if spawn is not None:          # a discarded probe first; the response is applied after it
+                        item.probed = True
+                        row.plan.appendleft(item)
+                        row.spawn = spawn
+                        return
+                if item.call is None:
+                    text = item.error.observation()
                     row.traj.messages.append({"role": "tool", "content": text})
                 else:
-                    text = execute(row, index, pending) if execute else self.execute_call(row, row.traj.calls[index])
-                    self._record_response(row, index, text, rehearsed=False)
-                pending += [(fmt.response_text(text), Role.OBS, False), (fmt.obs_end, Role.PROMPT, True)]
-            else:
-                row.append_text(fmt, pending)
-                _, row.gen_role, row.gen_payload = item
-                row.gen_start = len(row.ids)
+                    text = self.execute_call(row, row.traj.calls[item.call])
+                    self.record_response(row, item.call, text, rehearsed=False)
+                    if hooks is not None:
+                        hooks.after_response(row, item.call, text)
+                row.pending += [Text(fmt.response_text(text), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
+            elif isinstance(item, Spawn):
+                row.spawn = item
                 return
-        row.append_text(fmt, pending)
+            else:
+                row.append_text(fmt, row.pending)
+                row.pending = []
+                if item.role == Role.ACT and item.on_end is None and hooks is not None:
+                    spawn = hooks.before_turn(row, item)
+                    if spawn is not None:          # private rehearsals, then the committed turn
+                        row.spawn = spawn
+                        return
+                row.gen, row.gen_start = item, len(row.ids)
+                return
+        row.append_text(fmt, row.pending)
+        row.pending = []
         if not row.done:
             row.finish("plan_exhausted")
 
-    def execute_call(self, row: _Row, call: ToolCall) -> str:
+    def execute_call(self, row: Row, call: ToolCall) -> str:
         if row.env is None:
             return json.dumps({"error": "no environment: a call was to be executed for real but the rollout "
                                         "was given no make_env"})
@@ -288,14 +508,16 @@ class Engine:
         except Exception as exc:  # an environment bug becomes an observation, not a dead batch
             return json.dumps({"error": f"environment raised {type(exc).__name__}: {exc}"})
 
-    def _record_response(self, row: _Row, index: int, text: str, rehearsed: bool):
+    def record_response(self, row: Row, index: int, text: str, rehearsed: bool):
         row.traj.observations[index] = text
         row.traj.rehearsed[index] = rehearsed
         row.traj.messages.append({"role": "tool", "name": row.traj.calls[index].name, "content": text})
 
-    def _end_act(self, row: _Row, terminated: bool, world: WorldSwitch | None):
+    def end_act(self, row: Row, terminated: bool, cfg: SamplingConfig, world: WorldSwitch | None):
+        """An assistant turn ended: parse it, record it, and plan what follows (tool turn, user turn, end)."""
         fmt, traj = self.fmt, row.traj
         gen_ids = row.ids[row.gen_start:]
+        row.gen = None
         text = self.tok.decode(gen_ids[:-1] if terminated else gen_ids, skip_special_tokens=False)
         parsed = fmt.parse(text, row.task.tools)
         call_index = {}
@@ -327,41 +549,41 @@ class Engine:
                 return row.finish("user_error")
             if reply is None:
                 return row.finish("final_answer")
-            if row.turn >= self.cfg.max_turns:
+            if row.turn >= cfg.max_turns:
                 return row.finish("max_turns")
             row.user_turn += 1
             user_msg = {"role": "user", "content": reply}
             if getattr(row.env, "last_user_tool_calls", None):  # tau2 telecom: the user acted on their device
                 user_msg["user_tool_calls"] = list(row.env.last_user_tool_calls)
             traj.messages.append(user_msg)
-            row.plan.extend([("text", text, Role.PROMPT, trusted) for text, trusted in fmt.user_turn_pieces(reply)])
-            row.plan.append(("gen", Role.ACT, None))
+            row.plan.extend(Text(text, Role.PROMPT, trusted) for text, trusted in fmt.user_turn_pieces(reply))
+            row.plan.append(Generate(Role.ACT, cfg.max_new_tokens))
             return
         limit = row.task.max_assistant_turns
-        if row.turn >= self.cfg.max_turns or (limit is not None and row.turn >= limit):
+        if row.turn >= cfg.max_turns or (limit is not None and row.turn >= limit):
             return row.finish("max_turns")
         # one response per call item: rehearsed (WORLD), executed (OBS), or an error observation (OBS)
         for kind, value in fmt.tool_turn(len(parsed.items)):
             item = parsed.items[value] if kind == "response" else None
             if kind == "text":
-                row.plan.append(("text", value, Role.PROMPT, True))
+                row.plan.append(Text(value, Role.PROMPT))
             elif isinstance(item, CallError):
-                row.plan.append(("response", None, item))
+                row.plan.append(Response(None, item))
             elif world is not None and world(row.index, item):
-                row.plan.append(("gen", Role.WORLD, call_index[value]))
+                row.plan.append(Generate(Role.WORLD, cfg.max_world_tokens, call=call_index[value]))
             else:
-                row.plan.append(("response", call_index[value], None))
-        row.plan.append(("gen", Role.ACT, None))
+                row.plan.append(Response(call_index[value]))
+        row.plan.append(Generate(Role.ACT, cfg.max_new_tokens))
 
-    def _end_world(self, row: _Row, stopped: bool):
-        gen_ids = row.ids[row.gen_start:]
-        text, on_tag = self.rehearsal_text(gen_ids, stopped)
-        defects = validate_rehearsal(text, on_tag)
-        row.defects += defects
-        self._record_response(row, row.gen_payload, text, rehearsed=True)
+    def end_world(self, row: Row, stopped: bool):
+        """A rehearsed response ended: record what the policy wrote; close it if it did not."""
+        text, on_tag = self.rehearsal_text(row.ids[row.gen_start:], stopped)
+        index, row.gen = row.gen.call, None
+        row.defects += validate_rehearsal(text, on_tag)
+        self.record_response(row, index, text, rehearsed=True)
         if not on_tag:  # close the response ourselves so the context stays well-formed
             row.traj.errors.append("rehearsal_unterminated: the rehearsed response did not end with its tag")
-            row.plan.appendleft(("text", self.fmt.obs_end, Role.PROMPT, True))
+            row.plan.appendleft(Text(self.fmt.obs_end, Role.PROMPT))
 
     def rehearsal_text(self, gen_ids: list[int], stopped: bool) -> tuple[str, bool]:
         """(the observation a WORLD segment wrote, whether it ended on the closing tag)."""
@@ -369,7 +591,129 @@ class Engine:
         text = self.tok.decode(gen_ids if on_tag or not stopped else gen_ids[:-1], skip_special_tokens=False)
         return self.fmt.rehearsed_text(text, on_tag), on_tag
 
-    # -- the generation loop ---------------------------------------------------------------------------
+    # -- the decode loop -----------------------------------------------------------------------------------
+
+    def decode(self, batch: KVBatch, cfg: SamplingConfig, world: WorldSwitch | None = None,
+               steer: Steer | None = None, admit: Callable[[int], list[Row]] | None = None, progress=None):
+        """Generate until every row has ended. admit(n_rows) -> new rows joins rows in as others leave."""
+        max_len = self._max_len = self.max_len(cfg)
+        while True:
+            t_step = time.perf_counter()
+            if admit is not None:
+                joining = admit(len(batch.rows))
+                for r in joining:
+                    self._check_length(r, max_len, joining=True)
+                batch.admit([r for r in joining if not r.done])
+            if not batch.rows:
+                return
+            work = {id(r): len(r.feed) for r in batch.rows}    # tokens each row costs this step, for timing
+            batch.feed()
+            self._spawn(batch)
+            ready = [r for r in batch.rows if r.ready]
+            if ready:
+                j_ready = [j for j, r in enumerate(batch.rows) if r.ready]
+                logits = batch.logits[j_ready]
+                steered = None if steer is None else steer(
+                    [r.stream for r in ready], [(r.gen.role, r.ids[r.gen_start:]) for r in ready], logits.clone())
+                for k, r in enumerate(ready):
+                    tok_id, lp = sample_row(logits[k], cfg, r.rng, None if steered is None else steered[k])
+                    r.counts[f"{r.bucket}_sampled"] = r.counts.get(f"{r.bucket}_sampled", 0) + 1
+                    r.append([tok_id], r.gen.role, [lp])
+                    self._after_token(r, tok_id, cfg, world, max_len)
+                if progress is not None:
+                    progress.update(len(ready))
+            for r in ready:
+                work[id(r)] = work.get(id(r), 0) + 1
+            self._attribute_time(batch.rows, work, time.perf_counter() - t_step)
+            batch.select([j for j, r in enumerate(batch.rows) if not r.done])
+            batch.rows = [r for r in batch.rows if not r.done]
+
+    @staticmethod
+    def _attribute_time(rows: list[Row], work: dict, seconds: float):
+        """Split a step's wall time over the rows by the tokens each fed or sampled (per-bucket cost)."""
+        total = sum(work.get(id(r), 0) for r in rows)
+        for r in rows:
+            if total and work.get(id(r)):
+                key = f"{r.bucket}_seconds"
+                r.counts[key] = r.counts.get(key, 0.0) + seconds * work[id(r)] / total
+
+    def _after_token(self, r: Row, tok_id: int, cfg: SamplingConfig, world, max_len: int):
+        gen, n_gen = r.gen, len(r.ids) - r.gen_start
+        if gen.role == Role.WORLD:
+            stopped = tok_id in self.fmt.stop_ids or self.fmt.ends_with_world_stop(r.ids[r.gen_start:])
+        else:
+            stopped = tok_id in self.fmt.stop_ids
+        if stopped or n_gen >= gen.max_tokens:
+            if gen.on_end is not None:
+                r.gen = None
+                gen.on_end(r, stopped)
+            elif gen.role == Role.ACT:
+                self.end_act(r, stopped, cfg, world)
+            else:
+                self.end_world(r, stopped)
+            if not r.done:
+                self.advance(r)
+        self._check_length(r, max_len)
+        if r.done:
+            self._ended(r)
+
+    def _check_length(self, r: Row, max_len: int, joining: bool = False):
+        max_len += r.extra_len
+        if not r.done and len(r.ids) >= max_len:
+            if r.traj is not None:
+                r.traj.errors.append(f"context_too_long: the prompt has {len(r.ids)} tokens, limit {max_len}"
+                                     if joining else
+                                     f"context_too_long: the trajectory reached max_total_len={max_len}")
+            if not joining:
+                r.truncate(max_len)
+            r.plan.clear()
+            r.finish("max_length")
+
+    def _ended(self, r: Row):
+        """A row finished: a waiting parent resumes once its last child has ended."""
+        parent = r.parent
+        if parent is None:
+            return
+        parent.waiting -= 1
+        if parent.waiting == 0:
+            self._resume(parent)
+
+    def _resume(self, row: Row):
+        """Children ended (or none were made): run the spawn's continuation, then the row's plan."""
+        then, row.spawn_then = row.spawn_then, None
+        if then is not None:
+            then(row)
+        if not row.done and row.gen is None and row.spawn is None:
+            self.advance(row)
+        self._check_length(row, self._max_len)
+        if row.done:
+            self._ended(row)
+
+    def _spawn(self, batch: KVBatch):
+        slots, rows = [], []
+        for j, r in enumerate(batch.rows):
+            slots.append(j)
+            rows.append(r)
+            if r.spawn is None or r.feed:
+                continue
+            spawn, r.spawn = r.spawn, None
+            children = spawn.make(r)
+            r.spawn_then = spawn.then
+            r.waiting = len(children)
+            for child in children:
+                child.parent = r
+                slots.append(j)
+                rows.append(child)
+            if not children:
+                self._resume(r)
+        if len(rows) != len(batch.rows):
+            batch.select(slots)
+            batch.rows = rows
+            for child in rows:
+                if child.parent is not None and child.gen is None and child.spawn is None and not child.done:
+                    self.advance(child)
+
+    # -- training rollouts -----------------------------------------------------------------------------------
 
     @torch.no_grad()  # not inference_mode: the returned tensors feed the trainer's autograd
     def run(self, tasks: list[Task], group_size: int = 1, cfg: SamplingConfig | None = None,
@@ -383,9 +727,10 @@ class Engine:
         use_cache=False re-encodes the whole sequence at every step (the reference the cache is tested against).
         steer(rows, segments, logits) -> logits changes which token is chosen (constrained decoding, scripted
         tests); `segments` holds each row's (role, ids generated so far in this segment). The recorded
-        log-probs stay those of the model's own distribution.
+        log-probs stay those of the model's own distribution. Row i samples with its own generator seeded
+        from (cfg.seed, i), so a row's tokens do not depend on which rows share its batch.
         """
-        cfg = self.cfg = cfg or SamplingConfig()
+        cfg = cfg or SamplingConfig()
         if world == "rehearse":
             world_fn = lambda r, c: True  # noqa: E731
         elif world == "real":
@@ -394,111 +739,29 @@ class Engine:
             world_fn = world
         else:
             raise ValueError(f"world must be 'rehearse', 'real' or a callable, not {world!r}")
-        max_len = min(cfg.max_total_len, getattr(self.model.config, "max_position_embeddings", cfg.max_total_len))
-        device = next(self.model.parameters()).device
-        gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        stats = {"forward_calls": 0, "tokens_fed": 0, "tokens_sampled": 0}
-
-        prompts = [self.prompt_ids(t) for t in tasks]
         rows = []
-        for ti, (task, p) in enumerate(zip(tasks, prompts)):
+        for ti, task in enumerate(tasks):
+            prompt = self.prompt_ids(task)
             for _ in range(group_size):
                 env = make_env(task) if make_env is not None else None
-                rows.append(_Row(len(rows), ti, task, env, p))
-        for row in rows:
-            if len(row.ids) >= max_len:
-                row.traj.errors.append(f"context_too_long: the prompt has {len(row.ids)} tokens, limit {max_len}")
-                row.finish("max_length")
+                i = len(rows)
+                row = Row(task, prompt, env, index=i, task_idx=ti, stream=i,
+                          seed=cfg.seed if i == 0 else derive_seed(cfg.seed, i))
+                row.plan.append(Generate(Role.ACT, cfg.max_new_tokens))
+                rows.append(row)
+        for r in rows:
+            self.advance(r)
+        batch = KVBatch(self.model, self.tok.pad_token_id, use_cache)
+        queue = deque(rows)
+        self.decode(batch, cfg, world_fn, steer, admit=lambda n: [queue.popleft() for _ in range(len(queue))],
+                    progress=progress)
+        stats = {"forward_calls": batch.forward_calls, "tokens_fed": batch.tokens_fed,
+                 "tokens_sampled": sum(r.counts.get("act_sampled", 0) for r in rows),
+                 "seconds": time.perf_counter() - t0}
+        return self.collect(rows, stats)
 
-        # prefill each distinct prompt once, then fork its cache for the group
-        cache, mask, logits = None, None, None
-        active = [r for r in rows if not r.done]
-        if active and use_cache:
-            live_tasks = sorted({r.task_idx for r in active})
-            width = max(len(prompts[i]) for i in live_tasks)
-            pad = self.tok.pad_token_id
-            ids = torch.full((len(live_tasks), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(live_tasks), width), dtype=torch.long)
-            for j, i in enumerate(live_tasks):
-                ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[j, width - len(prompts[i]):] = 1
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = new_kv_cache()
-            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                             cache=cache, use_cache=True, logits_to_keep=1)
-            stats["forward_calls"] += 1
-            stats["tokens_fed"] += int(mask.sum())
-            # fork: row order is task-major, so select each live row's task slot
-            slot = {i: j for j, i in enumerate(live_tasks)}
-            pick = torch.tensor([slot[r.task_idx] for r in active], device=device)
-            cache.batch_select_indices(pick)
-            mask = mask.to(device)[pick]
-            logits = out.logits[:, -1].float()[pick]
-            for r in active:
-                r.n_cached = len(r.ids)
-
-        bar = progress
-        while active:
-            if not use_cache:  # reference path: re-encode every row's whole sequence (right-padded, no cache)
-                width = max(len(r.ids) for r in active)
-                ids = torch.full((len(active), width), self.tok.pad_token_id, dtype=torch.long)
-                full_mask = torch.zeros((len(active), width), dtype=torch.long)
-                for j, r in enumerate(active):
-                    ids[j, :len(r.ids)] = torch.tensor(r.ids)
-                    full_mask[j, :len(r.ids)] = 1
-                all_logits = self.model(input_ids=ids.to(device), attention_mask=full_mask.to(device)).logits
-                last = torch.tensor([len(r.ids) - 1 for r in active], device=device)
-                logits = all_logits[torch.arange(len(active), device=device), last].float()
-                stats["forward_calls"] += 1
-                stats["tokens_fed"] += sum(len(r.ids) for r in active)
-            steered = None if steer is None else steer(
-                [r.index for r in active], [(r.gen_role, r.ids[r.gen_start:]) for r in active], logits.clone())
-            tokens, logps = sample(logits, cfg, gen, steered)
-            stats["tokens_sampled"] += len(active)
-            for r, tok_id, lp in zip(active, tokens.tolist(), logps.tolist()):
-                r.append([tok_id], r.gen_role, [lp])
-                n_gen = len(r.ids) - r.gen_start
-                if r.gen_role == Role.ACT:
-                    stopped = tok_id in self.fmt.stop_ids
-                    if stopped or n_gen >= cfg.max_new_tokens:
-                        self._end_act(r, stopped, world_fn)
-                        self._start_next(r)
-                else:
-                    stopped = tok_id in self.fmt.stop_ids or self.fmt.ends_with_world_stop(r.ids[r.gen_start:])
-                    if stopped or n_gen >= cfg.max_world_tokens:
-                        self._end_world(r, stopped)
-                        self._start_next(r)
-                if not r.done and len(r.ids) >= max_len:
-                    r.traj.errors.append(f"context_too_long: the trajectory reached max_total_len={max_len}")
-                    r.truncate(max_len)
-                    r.finish("max_length")
-            if bar is not None:
-                bar.update(len(active))
-            keep = [i for i, r in enumerate(active) if not r.done]
-            if len(keep) < len(active) and use_cache and keep:
-                idx = torch.tensor(keep, device=device)
-                cache.batch_select_indices(idx)
-                mask = mask[idx]
-            active = [active[i] for i in keep]
-            if not active or not use_cache:
-                continue
-            # feed each row's uncached tokens; chunks are left-padded so the last column is real for all rows
-            feeds = [r.feed for r in active]
-            ids, chunk_mask, pos = ragged_chunk(feeds, [r.n_cached for r in active], self.tok.pad_token_id)
-            mask = torch.cat([mask, chunk_mask.to(device)], dim=1)
-            out = self.model(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device),
-                             cache=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].float()
-            stats["forward_calls"] += 1
-            stats["tokens_fed"] += sum(len(f) for f in feeds)
-            for r in active:
-                r.n_cached = len(r.ids)
-
-        stats["seconds"] = time.perf_counter() - t0
-        return self._collect(rows, stats)
-
-    def _collect(self, rows: list[_Row], stats: dict) -> Rollout:
+    def collect(self, rows: list[Row], stats: dict) -> Rollout:
         width = max(len(r.ids) for r in rows)
         B = len(rows)
         ids = torch.full((B, width), self.tok.pad_token_id, dtype=torch.long)
@@ -521,36 +784,36 @@ class Engine:
 def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
     """Left-pad each row's new tokens into one [B, W] chunk (so the last column is real for every row), with
     its attention-mask columns and explicit positions continuing each row's own count of cached tokens."""
-    width = max(len(f) for f in feeds)
+    width = max(1, max(len(f) for f in feeds))
     ids = torch.full((len(feeds), width), pad_id, dtype=torch.long)
     chunk_mask = torch.zeros((len(feeds), width), dtype=torch.long)
     pos = torch.zeros((len(feeds), width), dtype=torch.long)
     for j, (f, start) in enumerate(zip(feeds, offsets)):
+        if not f:
+            continue
         ids[j, width - len(f):] = torch.tensor(f)
         chunk_mask[j, width - len(f):] = 1
         pos[j, width - len(f):] = torch.arange(start, start + len(f))
     return ids, chunk_mask, pos
 
 
-def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator, steered: torch.Tensor | None = None):
-    """Sample one token per row; return (tokens, log-prob under the temperature-scaled full distribution).
-
-    The recorded log-prob ignores top-p truncation and steering on purpose: it is what the trainer recomputes.
-    """
+def sample_row(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator, steered: torch.Tensor | None = None):
+    """Sample one token of one row with the row's own generator; return (token, log-prob under the
+    temperature-scaled full distribution). The recorded log-prob ignores top-p truncation and steering on
+    purpose: it is what the trainer recomputes."""
     choose = logits if steered is None else steered
     if cfg.greedy or cfg.temperature <= 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tokens = choose.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+        token = int(choose.argmax())
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
     logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
     probs = torch.softmax(choose / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p, order = probs.sort(descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p > cfg.top_p   # keep the smallest head with mass >= top_p
         sorted_p = sorted_p.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    tokens = torch.multinomial(probs.cpu(), 1, generator=gen)[:, 0].to(logits.device)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    token = int(torch.multinomial(probs.cpu(), 1, generator=gen)[0])
+    return token, float(logp[token])
 
 
 def describe_row(rollout: Rollout, tok, row: int) -> str:
@@ -572,7 +835,7 @@ def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
     agent's, so the agent's cache is what matters.
     """
     cfg = cfg or SamplingConfig(temperature=0.6, top_p=0.95)
-    engine = Engine(engine.model, engine.tok, engine.template_kwargs)   # its own state: it runs while the agent's rollout is paused
+    engine = Engine(engine.model, engine.tok, engine.template_kwargs)   # own state: runs while the agent's pauses
     calls = [0]
 
     def user_fn(messages, tools=None):

@@ -235,25 +235,12 @@ def test_warm_start_examples_are_laid_out_as_test_time_rehearsal(eng, micro64, s
     assert proposal[-1] == assessment[-1] == committed[-1] == eng.fmt.eos_id
     script = Script(tok, {0: [[committed[:-1]], ["done"]], 1: [[proposal[:-1]], [assessment[:-1]]]},
                     {1: [[world]]})
-    contexts, ctx = [], []
-
-    def record(module, args, kwargs):   # rebuild the context from what is fed (batch 1 in sequential mode)
-        nonlocal ctx
-        cache = kwargs.get("cache") or kwargs.get("past_key_values")
-        n = cache.get_seq_length() if cache is not None else 0
-        if n < len(ctx):
-            contexts.append(ctx)         # a crop: the private (or memory) context ends here
-        ctx = ctx[:n] + kwargs["input_ids"][0].tolist()
-
-    handle = eng.model.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), toyworld.make_env(task),
-                 RehearsalConfig(budget=1, mode="sequential"), steer=script)
-    finally:
-        handle.remove()
+    ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), toyworld.make_env(task),
+             RehearsalConfig(budget=1, mode="sequential"), steer=script)
     assert ep.stats["rehearsals"] >= 1
-    assert contexts[0] + [eng.fmt.eos_id] == assess_ex[0]
-    assert contexts[1] + [eng.fmt.eos_id] == memory_ex[0]
+    # every private row's whole token sequence, as it ended: the branch, then the memory-prefixed committed turn
+    assert ep.private_contexts[0] == assess_ex[0]
+    assert ep.private_contexts[1] == memory_ex[0]
     assert ep.trajectory.calls[0].name == "get_balance"
 
 
