@@ -643,7 +643,8 @@ class Engine:
             stopped = tok_id in self.fmt.stop_ids or self.fmt.ends_with_world_stop(r.ids[r.gen_start:])
         else:
             stopped = tok_id in self.fmt.stop_ids
-        if stopped or n_gen >= gen.max_tokens:
+        too_long = len(r.ids) >= max_len + r.extra_len     # a private segment still reports what it wrote
+        if stopped or n_gen >= gen.max_tokens or (too_long and gen.on_end is not None):
             if gen.on_end is not None:
                 r.gen = None
                 gen.on_end(r, stopped)
