@@ -26,39 +26,12 @@ TINY_FORMAT_VERSION = 3  # bump when the tiny recipe changes, so stale caches ar
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# A Qwen3-style template (thinking left out: the tiny model does not reason). Consecutive tool messages
-# share one user turn, exactly as in Qwen3; rollout.py derives its scaffolding from this text.
-CHAT_TEMPLATE = r"""{%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\n' + (message.content or '') }}
-{%- if message.tool_calls %}
-{%- for tool_call in message.tool_calls %}
-{%- if (loop.first and message.content) or (not loop.first) %}{{- '\n' }}{%- endif %}
-{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-{{- '}\n</tool_call>' }}
-{%- endfor %}
-{%- endif %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+# A Qwen3-style ChatML template with tool support (thinking left out: the tiny model does not reason).
+# Consecutive tool messages share one user turn, exactly as in Qwen3; rollout.py derives its scaffolding from
+# this text. It is the tiny model's template and, via --chat-template, the one for ChatML models whose own
+# template has no tools (SmolLM2). Read byte for byte: the tiny tokenizer is trained on this text.
+TOOLS_TEMPLATE_PATH = PROJECT_ROOT / "chat_templates" / "chatml-tools.jinja"
+CHAT_TEMPLATE = TOOLS_TEMPLATE_PATH.read_bytes().decode("utf-8")
 
 
 @dataclass
