@@ -36,24 +36,6 @@ LIMITS = {"default": {"max_new_tokens": 256, "max_world_tokens": 128, "max_turns
           "toyworld": {"max_new_tokens": 48, "max_world_tokens": 32, "max_turns": 8, "max_total_len": 2048}}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit 2
-        sys.stderr.write(f"{self.prog}: error: {' '.join(str(message).split())}\n")
-        sys.exit(2)
-
-
-def _int_at_least(lo):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    return parse
-
-
 def _budgets(text):
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -77,19 +59,21 @@ def _opt(text):
 
 def build_parser():
     from bench import BENCHES
-    p = _Parser(prog="evaluate.py", description=__doc__.split("\n")[0])
+    from cli import OneLineParser, add_template_args, int_at_least
+    p = OneLineParser(prog="evaluate.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="auto", help="'auto' (train.py's latest checkpoint, else tiny), 'tiny', "
-                   "or a local HF folder")
+                   "a local HF folder or a .gguf file")
+    add_template_args(p)
     p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
     p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
                    "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=_int_at_least(1), default=None,
+    p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N tasks of the split (default: all; toyworld: the first 32 of its 1000)")
     p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
-    p.add_argument("--num-trials", type=_int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
-    p.add_argument("--rehearsal-budget", type=_int_at_least(0), default=0)
+    p.add_argument("--num-trials", type=int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
+    p.add_argument("--rehearsal-budget", type=int_at_least(0), default=0)
     p.add_argument("--rehearsal-mode", choices=["parallel", "sequential"], default="parallel")
     p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
                    help="run these budgets on the same tasks and seeds and print them side by side")
@@ -97,10 +81,10 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None, help="default 256 (toyworld 48)")
-    p.add_argument("--max-world-tokens", type=_int_at_least(1), default=None, help="default 128 (toyworld 32)")
-    p.add_argument("--max-turns", type=_int_at_least(1), default=None, help="default 30 (toyworld 8)")
-    p.add_argument("--max-total-len", type=_int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="default 256 (toyworld 48)")
+    p.add_argument("--max-world-tokens", type=int_at_least(1), default=None, help="default 128 (toyworld 32)")
+    p.add_argument("--max-turns", type=int_at_least(1), default=None, help="default 30 (toyworld 8)")
+    p.add_argument("--max-total-len", type=int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
@@ -310,7 +294,8 @@ def main(argv=None) -> int:
 
     import policy
     from bench import BenchUnavailable, load_bench
-    from rollout import Engine, TemplateError
+    from cli import load_engine
+    from rollout import TemplateError
 
     try:
         mod = load_bench(args.bench)
@@ -338,16 +323,16 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model_name = resolve_model(args.model)
     try:
-        model, tok = policy.load_policy(model_name, dtype=dtype, device=device)
-        eng = Engine(model.eval(), tok)
+        eng = load_engine(model_name, args.chat_template, args.chat_template_kwargs, dtype=dtype, device=device)
+        eng.model.eval()
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
 
     args.user_engine = None
-    if args.user_model:
+    if args.user_model:   # the user model keeps its own template and variables
         try:
-            user_model, user_tok = policy.load_policy(args.user_model, dtype=dtype, device=device)
-            args.user_engine = Engine(user_model.eval(), user_tok)
+            args.user_engine = load_engine(args.user_model, dtype=dtype, device=device)
+            args.user_engine.model.eval()
         except (policy.PolicyLoadError, TemplateError) as exc:
             parser.error(f"--user-model: {exc}")
     budgets = args.compare or [args.rehearsal_budget]
@@ -360,6 +345,7 @@ def main(argv=None) -> int:
         records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": str(path)}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
+               "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
                "seconds": time.perf_counter() - t0, "runs": runs}

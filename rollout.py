@@ -884,28 +884,33 @@ def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tup
     return ids, roles
 
 
-def main(argv=None):
-    """Demo: roll out the tiny model on a few toy-world tasks and print one trajectory with role labels."""
-    import argparse
-
+def main(argv=None) -> int:
+    """Demo: roll out a model (default: the tiny one) on a few tasks and print one trajectory with role labels."""
     import policy
-    from bench import load_bench
+    from bench import BENCHES, BenchUnavailable, load_bench
+    from cli import OneLineParser, add_template_args, int_at_least, load_engine
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--bench", default="toyworld")
+    ap = OneLineParser(prog="rollout.py", description=main.__doc__)
+    ap.add_argument("--model", default="tiny", help="'tiny', a local HF folder or a .gguf file")
+    add_template_args(ap)
+    ap.add_argument("--bench", default="toyworld", choices=list(BENCHES))
     ap.add_argument("--world", default="rehearse", choices=["rehearse", "real"])
-    ap.add_argument("--group-size", type=int, default=2)
+    ap.add_argument("--group-size", type=int_at_least(1), default=2)
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    model, tok = policy.load_policy(args.model)
-    bench = load_bench(args.bench)
-    tasks = bench.load_tasks("test", limit=2)
-    out = Engine(model, tok).run(tasks, args.group_size, SamplingConfig(seed=args.seed, max_new_tokens=64),
-                                 make_env=bench.make_env, world=args.world)
-    print(describe_row(out, tok, 0))
+    try:
+        bench = load_bench(args.bench)
+        tasks = bench.load_tasks("test", limit=2)
+        engine = load_engine(args.model, args.chat_template, args.chat_template_kwargs)
+    except (policy.PolicyLoadError, TemplateError, BenchUnavailable, ImportError) as exc:
+        ap.error(str(exc))
+    out = engine.run(tasks, args.group_size, SamplingConfig(seed=args.seed, max_new_tokens=args.max_new_tokens),
+                     make_env=make_env_fn(bench), world=args.world)
+    print(describe_row(out, engine.tok, 0))
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
