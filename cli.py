@@ -56,4 +56,11 @@ def load_engine(name: str, chat_template: str | None = None, template_kwargs: di
     import policy
     import rollout
     model, tok = policy.load_policy(name, chat_template=chat_template, **load_kwargs)
-    return rollout.Engine(model, tok, policy.template_kwargs_for(name, template_kwargs))
+    try:
+        return rollout.Engine(model, tok, policy.template_kwargs_for(name, template_kwargs))
+    except rollout.TemplateError as exc:
+        if chat_template:
+            raise
+        hint = policy.TOOLS_TEMPLATE_PATH.relative_to(policy.PROJECT_ROOT)
+        raise rollout.TemplateError(f"{exc}; if the model's own template has no tool support, pass --chat-template "
+                                    f"FILE ({hint} for ChatML models)") from exc

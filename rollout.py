@@ -887,6 +887,7 @@ def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tup
 def main(argv=None) -> int:
     """Demo: roll out a model (default: the tiny one) on a few tasks and print one trajectory with role labels."""
     import policy
+    import rollout   # not this file's names: run as a script, this module is __main__ and the engine's is `rollout`
     from bench import BENCHES, BenchUnavailable, load_bench
     from cli import OneLineParser, add_template_args, int_at_least, load_engine
 
@@ -903,11 +904,11 @@ def main(argv=None) -> int:
         bench = load_bench(args.bench)
         tasks = bench.load_tasks("test", limit=2)
         engine = load_engine(args.model, args.chat_template, args.chat_template_kwargs)
-    except (policy.PolicyLoadError, TemplateError, BenchUnavailable, ImportError) as exc:
+    except (policy.PolicyLoadError, rollout.TemplateError, BenchUnavailable, ImportError) as exc:
         ap.error(str(exc))
-    out = engine.run(tasks, args.group_size, SamplingConfig(seed=args.seed, max_new_tokens=args.max_new_tokens),
-                     make_env=make_env_fn(bench), world=args.world)
-    print(describe_row(out, engine.tok, 0))
+    cfg = rollout.SamplingConfig(seed=args.seed, max_new_tokens=args.max_new_tokens)
+    out = engine.run(tasks, args.group_size, cfg, make_env=rollout.make_env_fn(bench), world=args.world)
+    print(rollout.describe_row(out, engine.tok, 0))
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()})
     return 0
 
