@@ -377,6 +377,7 @@ class gathered_for_generation:
 
     def __init__(self, model):
         from torch.distributed.fsdp import FSDPModule
+        self.root = model
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self):
@@ -387,7 +388,9 @@ class gathered_for_generation:
     def __exit__(self, *exc):
         for m in self.modules:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            # back to fully_shard's defaults: the root keeps its parameters after forward (token_logprobs then
+            # uses the unsharded LM-head weight; resharded, it would be a DTensor and the matmul fails)
+            m.set_reshard_after_forward(m is not self.root, recurse=False)
 
 
 def all_sum(values: list[float], d: Dist) -> list[float]:

@@ -540,13 +540,8 @@ def same_params(a, b):
 def varied_rewards(monkeypatch):
     """Rewards 1, 0, 1, 0, ... so GRPO groups are not flat and the loss is computed."""
     import reward
-    from bench import Score
-    counter = [0]
-
-    def fake(bench, task, traj, defects, penalty):
-        counter[0] += 1
-        return Score(reward=float(counter[0] % 2))
-    monkeypatch.setattr(reward, "trajectory_reward", fake)
+    from tests.scripted import alternating_rewards
+    monkeypatch.setattr(reward, "trajectory_reward", alternating_rewards())
 
 
 def test_a_nan_loss_skips_that_update_only(micro_path, tmp_path, monkeypatch, varied_rewards):
