@@ -3,6 +3,7 @@
     python evaluate.py --rehearsal-budget 4                     # default model on the embedded toy world
     python evaluate.py --model /ckpt/Qwen3-8B --bench tau2 --num-trials 4 --rehearsal-budget 2
     python evaluate.py --limit 50 --compare 0,1,2,4             # budgets side by side, same tasks and seeds
+    python evaluate.py --model SmolLM2-135M-Instruct.Q4_1.gguf --chat-template chat_templates/chatml-tools.jinja
 
 Each (task, trial) is one committed trajectory on the real environment (rehearse.act): with budget B > 0
 the policy privately rehearses up to B calls before each committed turn (see rehearse.py). Writes
