@@ -234,7 +234,7 @@ def gguf_to_hf(gguf: Path, cache_dir: Path | None = None) -> Path:
                               "(versions in requirements.txt)")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")   # atomic: concurrent ranks each rename a whole folder
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")   # built aside, then renamed into place whole
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         quantized = AutoModelForCausalLM.from_pretrained(
@@ -261,8 +261,12 @@ def gguf_to_hf(gguf: Path, cache_dir: Path | None = None) -> Path:
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(source, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)   # `out` is only ever published whole, so an existing one is complete
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)   # another process (a torchrun rank) published it first
+        if not (out / GGUF_SOURCE_FILE).exists():
+            raise
     return out
 
 
