@@ -3,6 +3,7 @@
     python evaluate.py --rehearsal-budget 4                     # default model on the embedded toy world
     python evaluate.py --model /ckpt/Qwen3-8B --bench tau2 --num-trials 4 --rehearsal-budget 2
     python evaluate.py --limit 50 --compare 0,1,2,4             # budgets side by side, same tasks and seeds
+    python evaluate.py --model SmolLM2-135M-Instruct.Q4_1.gguf --chat-template chat_templates/chatml-tools.jinja
 
 Each (task, trial) is one committed trajectory on the real environment (rehearse.act): with budget B > 0
 the policy privately rehearses up to B calls before each committed turn (see rehearse.py). Writes
@@ -36,24 +37,6 @@ LIMITS = {"default": {"max_new_tokens": 256, "max_world_tokens": 128, "max_turns
           "toyworld": {"max_new_tokens": 48, "max_world_tokens": 32, "max_turns": 8, "max_total_len": 2048}}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit 2
-        sys.stderr.write(f"{self.prog}: error: {' '.join(str(message).split())}\n")
-        sys.exit(2)
-
-
-def _int_at_least(lo):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-    return parse
-
-
 def _budgets(text):
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -77,19 +60,21 @@ def _opt(text):
 
 def build_parser():
     from bench import BENCHES
-    p = _Parser(prog="evaluate.py", description=__doc__.split("\n")[0])
+    from cli import OneLineParser, add_template_args, int_at_least
+    p = OneLineParser(prog="evaluate.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="auto", help="'auto' (train.py's latest checkpoint, else tiny), 'tiny', "
-                   "or a local HF folder")
+                   "a local HF folder or a .gguf file")
+    add_template_args(p)
     p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
     p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
                    "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=_int_at_least(1), default=None,
+    p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N tasks of the split (default: all; toyworld: the first 32 of its 1000)")
     p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
-    p.add_argument("--num-trials", type=_int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
-    p.add_argument("--rehearsal-budget", type=_int_at_least(0), default=0)
+    p.add_argument("--num-trials", type=int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
+    p.add_argument("--rehearsal-budget", type=int_at_least(0), default=0)
     p.add_argument("--rehearsal-mode", choices=["parallel", "sequential"], default="parallel")
     p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
                    help="run these budgets on the same tasks and seeds and print them side by side")
@@ -97,13 +82,13 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=None, help="default 256 (toyworld 48)")
-    p.add_argument("--max-world-tokens", type=_int_at_least(1), default=None, help="default 128 (toyworld 32)")
-    p.add_argument("--max-turns", type=_int_at_least(1), default=None, help="default 30 (toyworld 8)")
-    p.add_argument("--max-total-len", type=_int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="default 256 (toyworld 48)")
+    p.add_argument("--max-world-tokens", type=int_at_least(1), default=None, help="default 128 (toyworld 32)")
+    p.add_argument("--max-turns", type=int_at_least(1), default=None, help="default 30 (toyworld 8)")
+    p.add_argument("--max-total-len", type=int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
-    p.add_argument("--max-rows", type=_int_at_least(1), default=64,
+    p.add_argument("--max-rows", type=int_at_least(1), default=64,
                    help="rows of one engine batch: tasks run together, each with its 1 + B rehearsal rows, and "
                         "join as others finish (results equal running them one at a time)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
@@ -323,7 +308,7 @@ def main(argv=None) -> int:
     import policy
     from bench import BenchUnavailable, load_bench
     from chat_format import TemplateError
-    from rollout import Engine
+    from cli import load_engine
 
     try:
         mod = load_bench(args.bench)
@@ -351,16 +336,17 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model_name = resolve_model(args.model)
     try:
-        model, tok = policy.load_policy(model_name, dtype=dtype, device=device)
-        eng = Engine(model.eval(), tok)
+        eng = load_engine(model_name, args.chat_template, args.chat_template_kwargs, args.tool_call_format,
+                          dtype=dtype, device=device)
+        eng.model.eval()
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
 
     args.user_engine = None
-    if args.user_model:
+    if args.user_model:   # the user model keeps its own template and variables
         try:
-            user_model, user_tok = policy.load_policy(args.user_model, dtype=dtype, device=device)
-            args.user_engine = Engine(user_model.eval(), user_tok)
+            args.user_engine = load_engine(args.user_model, dtype=dtype, device=device)
+            args.user_engine.model.eval()
         except (policy.PolicyLoadError, TemplateError) as exc:
             parser.error(f"--user-model: {exc}")
     budgets = args.compare or [args.rehearsal_budget]
@@ -373,6 +359,7 @@ def main(argv=None) -> int:
         records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": str(path)}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
+               "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
                "seconds": time.perf_counter() - t0, "runs": runs}

@@ -1,10 +1,13 @@
-"""The policy: load any local HF causal LM, or build the embedded tiny one.
+"""The policy: load any local HF causal LM or .gguf file, or build the embedded tiny one.
 
 `load_policy("tiny")` builds (once, deterministically from a seed) a small Qwen3-architecture model with a
 byte-level BPE tokenizer trained on the project's own text and a Qwen3-style chat template with tool support:
 tools listed in the system turn, calls as `<tool_call>{"name":…,"arguments":…}</tool_call>`, results as
 `<tool_response>…</tool_response>` inside a user turn. It is saved as an ordinary HF folder, so the tiny model
-and a real checkpoint (`--model /path/to/Qwen3-4B`) go through the same loading code.
+and a real checkpoint (`--model /path/to/Qwen3-4B`) go through the same loading code. A .gguf file is
+converted once into an HF folder under .cache/gguf/ (dequantized to float32) and loaded from there.
+`chat_template=FILE` replaces the tokenizer's template (chat_templates/chatml-tools.jinja gives tool support to
+ChatML models without it); extra template variables live in a checkpoint's chat_template_kwargs.json.
 
 Shared by rollout.py, train.py and evaluate.py.
 """
@@ -26,39 +29,12 @@ TINY_FORMAT_VERSION = 3  # bump when the tiny recipe changes, so stale caches ar
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# A Qwen3-style template (thinking left out: the tiny model does not reason). Consecutive tool messages
-# share one user turn, exactly as in Qwen3; rollout.py derives its scaffolding from this text.
-CHAT_TEMPLATE = r"""{%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\n' + (message.content or '') }}
-{%- if message.tool_calls %}
-{%- for tool_call in message.tool_calls %}
-{%- if (loop.first and message.content) or (not loop.first) %}{{- '\n' }}{%- endif %}
-{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-{{- '}\n</tool_call>' }}
-{%- endfor %}
-{%- endif %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+# A Qwen3-style ChatML template with tool support (thinking left out: the tiny model does not reason).
+# Consecutive tool messages share one user turn, exactly as in Qwen3; rollout.py derives its scaffolding from
+# this text. It is the tiny model's template and, via --chat-template, the one for ChatML models whose own
+# template has no tools (SmolLM2). Read byte for byte: the tiny tokenizer is trained on this text.
+TOOLS_TEMPLATE_PATH = PROJECT_ROOT / "chat_templates" / "chatml-tools.jinja"
+CHAT_TEMPLATE = TOOLS_TEMPLATE_PATH.read_bytes().decode("utf-8")
 
 
 @dataclass
@@ -181,35 +157,180 @@ def ensure_tiny(path: Path = TINY_DIR, cfg: TinyConfig | None = None) -> Path:
     return Path(path)
 
 
+GGUF_CACHE_DIR = PROJECT_ROOT / ".cache" / "gguf"
+GGUF_FORMAT_VERSION = 1  # bump when the conversion changes, so stale converted folders are rebuilt
+GGUF_SOURCE_FILE = "gguf_source.json"      # written into each converted folder: where it came from
+TEMPLATE_KWARGS_FILE = "chat_template_kwargs.json"
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").exists() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
+
+
 def resolve_model_path(name: str) -> Path:
-    """'tiny' means the embedded tiny model (built on first use); anything else must be a local HF folder."""
+    """The HF folder to load for `name`: 'tiny' (built on first use), a local HF folder, or a .gguf file (or a
+    folder holding one .gguf, with or without its tokenizer files), converted once into GGUF_CACHE_DIR."""
     if name == "tiny":
         return ensure_tiny()
     path = Path(name).expanduser()
+    if path.suffix == ".gguf" and not path.is_file():
+        raise PolicyLoadError(f"model file {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise PolicyLoadError(f"model path {str(path)!r} is a file but not a .gguf; pass a .gguf file, a local "
+                                  "Hugging Face checkpoint folder or 'tiny'")
+        return gguf_to_hf(path)
     if not path.is_dir():
         raise PolicyLoadError(f"model path {str(path)!r} does not exist or is not a folder; pass a local "
-                              "Hugging Face checkpoint folder (config.json, weights, tokenizer) or 'tiny'")
+                              "Hugging Face checkpoint folder (config.json, weights, tokenizer), a .gguf file "
+                              "or 'tiny'")
+    ggufs = sorted(path.glob("*.gguf"))
+    if ggufs and not _is_hf_folder(path):
+        if len(ggufs) > 1:
+            raise PolicyLoadError(f"model folder {str(path)!r} holds {len(ggufs)} .gguf files "
+                                  f"({', '.join(g.name for g in ggufs)}); pass the one to load as --model FILE")
+        return gguf_to_hf(ggufs[0])
     missing = [f for f in ("config.json",) if not (path / f).exists()]
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         missing.append("*.safetensors weights")
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+    if not any((path / f).exists() for f in HF_TOKENIZER_FILES):
         missing.append("tokenizer.json")
     if missing:
         raise PolicyLoadError(f"model folder {str(path)!r} is incomplete: missing {', '.join(missing)}")
     return path
 
 
-def load_tokenizer(path: str | Path):
+def _gguf_source(gguf: Path) -> dict:
+    """What a converted folder depends on: the file (path, size, mtime), the folder's own tokenizer files if
+    it has any (they are used instead of the GGUF's vocabulary), the converter (transformers version)."""
+    import transformers
+
+    def ident(p: Path):
+        st = p.stat()
+        return {"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    return {"version": GGUF_FORMAT_VERSION, "transformers": transformers.__version__, "gguf": ident(gguf),
+            "tokenizer": [ident(gguf.parent / f) for f in HF_TOKENIZER_FILES if (gguf.parent / f).exists()]}
+
+
+def gguf_to_hf(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """The cached HF folder converted from `gguf` (weights dequantized to float32, tokenizer, generation
+    config), converting it first if the cache has no up-to-date copy. Checkpoints trained from it are then
+    ordinary HF folders, and later loads skip the ~20 s conversion."""
+    import hashlib
+
+    gguf = Path(gguf)
+    source = _gguf_source(gguf)
+    digest = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(cache_dir or GGUF_CACHE_DIR) / f"{gguf.stem}-{digest}"
+    if (out / GGUF_SOURCE_FILE).exists():
+        return out
+    import importlib.util
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise PolicyLoadError(f"loading a .gguf model needs the {' and '.join(missing)} package"
+                              f"{'s' if len(missing) > 1 else ''}: pip install {' '.join(missing)} "
+                              "(versions in requirements.txt)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")   # built aside, then renamed into place whole
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True,
+            quantization_config=GgufConfig(dequantize=True))
+        if source["tokenizer"]:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except Exception as exc:
+        raise PolicyLoadError(f"cannot read GGUF file {str(gguf)!r} (corrupt, truncated or an unsupported "
+                              f"architecture?): {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+    # save_pretrained refuses a model loaded through the GGUF quantizer: move its (already dense) tensors
+    # into a plain model of the same config, built on the meta device so no second copy is allocated
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), assign=True)
+    plain.tie_weights()
+    plain.generation_config = quantized.generation_config
+    tmp.mkdir(parents=True)
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(source, indent=1))
+    try:
+        os.replace(tmp, out)   # `out` is only ever published whole, so an existing one is complete
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)   # another process (a torchrun rank) published it first
+        if not (out / GGUF_SOURCE_FILE).exists():
+            raise
+    return out
+
+
+def read_chat_template(path: str | Path) -> str:
+    """The text of a --chat-template file; PolicyLoadError if it cannot be read."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyLoadError(f"cannot read chat template file {str(path)!r}: {exc.strerror or exc}") from exc
+    if not text.strip():
+        raise PolicyLoadError(f"chat template file {str(path)!r} is empty")
+    return text
+
+
+def parse_template_kwargs(text: str) -> dict:
+    """Extra chat-template variables (--chat-template-kwargs): a JSON object; ValueError (one line) otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"expected a JSON object like '{{\"enable_thinking\": false}}', got {text!r} "
+                         f"({exc})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object (in braces), got a JSON {type(value).__name__}: {text!r}")
+    return value
+
+
+def saved_template_kwargs(name: str | Path) -> dict:
+    """The chat-template variables a checkpoint was trained with (TEMPLATE_KWARGS_FILE), {} if none."""
+    path = resolve_model_path(str(name)) / TEMPLATE_KWARGS_FILE
+    if not path.exists():
+        return {}
+    try:
+        return parse_template_kwargs(path.read_text())
+    except ValueError as exc:
+        raise PolicyLoadError(f"{str(path)!r} is corrupt: {exc}") from exc
+
+
+def template_kwargs_for(name: str | Path, explicit: dict | None) -> dict:
+    """The chat-template variables to use with model `name`: an explicit flag wins, else the checkpoint's."""
+    return dict(explicit) if explicit is not None else saved_template_kwargs(name)
+
+
+def save_template_kwargs(folder: Path, kwargs: dict):
+    """Store the variables next to the tokenizer, so loading the folder reproduces the rendering."""
+    if kwargs:
+        (Path(folder) / TEMPLATE_KWARGS_FILE).write_text(json.dumps(kwargs, indent=1))
+
+
+def load_tokenizer(path: str | Path, chat_template: str | Path | None = None):
+    """The folder's tokenizer; `chat_template` (a file) replaces its chat template (saved with it after)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(str(path))
+    template = read_chat_template(chat_template) if chat_template else None
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # a corrupt tokenizer file surfaces as many exception types
         raise PolicyLoadError(f"cannot load the tokenizer in {str(path)!r}: {exc}") from exc
+    if template is not None:
+        tok.chat_template = template
     if not tok.chat_template:
         raise PolicyLoadError(f"the tokenizer in {str(path)!r} has no chat template; the rollout engine renders "
-                              "turns with the model's own template (add one to tokenizer_config.json)")
+                              "turns with the model's own template (add one to tokenizer_config.json, or pass "
+                              f"--chat-template {TOOLS_TEMPLATE_PATH.relative_to(PROJECT_ROOT)})")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -226,12 +347,14 @@ def default_attn_implementation(device: torch.device) -> str:
 
 
 def load_policy(name: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                attn_implementation: str | None = None):
-    """(model, tokenizer) from 'tiny' or a local HF folder; clear PolicyLoadError on anything broken."""
+                attn_implementation: str | None = None, chat_template: str | Path | None = None):
+    """(model, tokenizer) from 'tiny', a local HF folder or a .gguf; clear PolicyLoadError on anything broken.
+
+    chat_template: a file whose text replaces the tokenizer's chat template (e.g. TOOLS_TEMPLATE_PATH)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(str(name))
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path, chat_template)
     device = torch.device(device)
     attn = attn_implementation or default_attn_implementation(device)
     try:

@@ -51,7 +51,7 @@ from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spa
 # A proposal without any call is an answer, not a rehearsal: if no proposal of the first round (parallel)
 # or the latest proposal (sequential) calls a tool, that proposal is committed as is (it was sampled from
 # the committed context, plus the memory so far in sequential mode). Budget 0 is plain acting, token for
-# token what Engine.run(world="real") produces for the same seed.
+# token what Engine.run(responses="real") produces for the same seed.
 #
 # Costs are counted per bucket: "act" (the committed row, the memory and the re-fed committed tokens),
 # "private" (proposals, rehearsals, assessments) and "fidelity" (the discarded world-model probes); a

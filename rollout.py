@@ -194,7 +194,7 @@ class Rollout:
     stats: dict
 
 
-WorldSwitch = Callable[[int, ToolCall], bool]   # (row, call) -> True to rehearse it, False to execute it
+ResponseSwitch = Callable[[int, ToolCall], bool]   # (row, call) -> True to rehearse it, False to execute it
 Steer = Callable[[list[int], list[tuple[Role, list[int]]], torch.Tensor], torch.Tensor]
 
 
@@ -513,7 +513,7 @@ class Engine:
         row.traj.rehearsed[index] = rehearsed
         row.traj.messages.append({"role": "tool", "name": row.traj.calls[index].name, "content": text})
 
-    def end_act(self, row: Row, terminated: bool, cfg: SamplingConfig, world: WorldSwitch | None):
+    def end_act(self, row: Row, terminated: bool, cfg: SamplingConfig, rehearse: ResponseSwitch | None):
         """An assistant turn ended: parse it, record it, and plan what follows (tool turn, user turn, end)."""
         fmt, traj = self.fmt, row.traj
         gen_ids = row.ids[row.gen_start:]
@@ -569,7 +569,7 @@ class Engine:
                 row.plan.append(Text(value, Role.PROMPT))
             elif isinstance(item, CallError):
                 row.plan.append(Response(None, item))
-            elif world is not None and world(row.index, item):
+            elif rehearse is not None and rehearse(row.index, item):
                 row.plan.append(Generate(Role.WORLD, cfg.max_world_tokens, call=call_index[value]))
             else:
                 row.plan.append(Response(call_index[value]))
@@ -593,7 +593,7 @@ class Engine:
 
     # -- the decode loop -----------------------------------------------------------------------------------
 
-    def decode(self, batch: KVBatch, cfg: SamplingConfig, world: WorldSwitch | None = None,
+    def decode(self, batch: KVBatch, cfg: SamplingConfig, rehearse: ResponseSwitch | None = None,
                steer: Steer | None = None, admit: Callable[[int], list[Row]] | None = None, progress=None):
         """Generate until every row has ended. admit(n_rows) -> new rows joins rows in as others leave."""
         max_len = self._max_len = self.max_len(cfg)
@@ -619,7 +619,7 @@ class Engine:
                     tok_id, lp = sample_row(logits[k], cfg, r.rng, None if steered is None else steered[k])
                     r.counts[f"{r.bucket}_sampled"] = r.counts.get(f"{r.bucket}_sampled", 0) + 1
                     r.append([tok_id], r.gen.role, [lp])
-                    self._after_token(r, tok_id, cfg, world, max_len)
+                    self._after_token(r, tok_id, cfg, rehearse, max_len)
                 if progress is not None:
                     progress.update(len(ready))
             for r in ready:
@@ -637,7 +637,7 @@ class Engine:
                 key = f"{r.bucket}_seconds"
                 r.counts[key] = r.counts.get(key, 0.0) + seconds * work[id(r)] / total
 
-    def _after_token(self, r: Row, tok_id: int, cfg: SamplingConfig, world, max_len: int):
+    def _after_token(self, r: Row, tok_id: int, cfg: SamplingConfig, rehearse, max_len: int):
         gen, n_gen = r.gen, len(r.ids) - r.gen_start
         if gen.role == Role.WORLD:
             stopped = tok_id in self.fmt.stop_ids or self.fmt.ends_with_world_stop(r.ids[r.gen_start:])
@@ -649,7 +649,7 @@ class Engine:
                 r.gen = None
                 gen.on_end(r, stopped)
             elif gen.role == Role.ACT:
-                self.end_act(r, stopped, cfg, world)
+                self.end_act(r, stopped, cfg, rehearse)
             else:
                 self.end_world(r, stopped)
             if not r.done:
@@ -718,11 +718,11 @@ class Engine:
 
     @torch.no_grad()  # not inference_mode: the returned tensors feed the trainer's autograd
     def run(self, tasks: list[Task], group_size: int = 1, cfg: SamplingConfig | None = None,
-            make_env: Callable[[Task], object] | None = None, world: str | WorldSwitch = "rehearse",
+            make_env: Callable[[Task], object] | None = None, responses: str | ResponseSwitch = "rehearse",
             use_cache: bool = True, steer: Steer | None = None, progress=None) -> Rollout:
         """Roll out `group_size` trajectories per task.
 
-        world: "rehearse" (the policy writes every tool response), "real" (the environment executes every
+        responses: "rehearse" (the policy writes every tool response), "real" (the environment executes every
         call), or a callable (row, call) -> bool choosing per call. make_env(task) gives a fresh environment
         per row; it is needed for real calls and for multi-turn user replies.
         use_cache=False re-encodes the whole sequence at every step (the reference the cache is tested against).
@@ -732,14 +732,14 @@ class Engine:
         from (cfg.seed, i), so a row's tokens do not depend on which rows share its batch.
         """
         cfg = cfg or SamplingConfig()
-        if world == "rehearse":
-            world_fn = lambda r, c: True  # noqa: E731
-        elif world == "real":
-            world_fn = None
-        elif callable(world):
-            world_fn = world
+        if responses == "rehearse":
+            rehearse = lambda r, c: True  # noqa: E731
+        elif responses == "real":
+            rehearse = None
+        elif callable(responses):
+            rehearse = responses
         else:
-            raise ValueError(f"world must be 'rehearse', 'real' or a callable, not {world!r}")
+            raise ValueError(f"responses must be 'rehearse', 'real' or a callable, not {responses!r}")
         t0 = time.perf_counter()
         rows = []
         for ti, task in enumerate(tasks):
@@ -755,7 +755,7 @@ class Engine:
             self.advance(r)
         batch = KVBatch(self.model, self.tok.pad_token_id, use_cache)
         queue = deque(rows)
-        self.decode(batch, cfg, world_fn, steer, admit=lambda n: [queue.popleft() for _ in range(len(queue))],
+        self.decode(batch, cfg, rehearse, steer, admit=lambda n: [queue.popleft() for _ in range(len(queue))],
                     progress=progress)
         stats = {"forward_calls": batch.forward_calls, "tokens_fed": batch.tokens_fed,
                  "tokens_sampled": sum(r.counts.get("act_sampled", 0) for r in rows),
@@ -843,7 +843,7 @@ def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
         calls[0] += 1
         task = Task(id=f"user-{calls[0]}", messages=messages, tools=tools or [], max_assistant_turns=1)
         run_cfg = SamplingConfig(**{**cfg.__dict__, "seed": cfg.seed + calls[0]})
-        traj = engine.run([task], 1, run_cfg, world="real").trajectories[0]
+        traj = engine.run([task], 1, run_cfg, responses="real").trajectories[0]
         last = next((m for m in reversed(traj.messages) if m["role"] == "assistant"), {"content": ""})
         if last.get("tool_calls"):
             return {"content": last.get("content", ""), "tool_calls": last["tool_calls"]}
@@ -872,28 +872,35 @@ def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tup
     return ids, [int(ROLE_OF_LABEL[label]) for label in labels]
 
 
-def main(argv=None):
-    """Demo: roll out the tiny model on a few toy-world tasks and print one trajectory with role labels."""
-    import argparse
-
+def main(argv=None) -> int:
+    """Demo: roll out a model (default: the tiny one) on a few tasks and print one trajectory with role labels."""
     import policy
-    from bench import load_bench
+    import rollout   # not this file's names: run as a script, this module is __main__ and the engine's is `rollout`
+    from bench import BENCHES, BenchUnavailable, load_bench
+    from cli import OneLineParser, add_template_args, int_at_least, load_engine
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--bench", default="toyworld")
-    ap.add_argument("--world", default="rehearse", choices=["rehearse", "real"])
-    ap.add_argument("--group-size", type=int, default=2)
+    ap = OneLineParser(prog="rollout.py", description=main.__doc__)
+    ap.add_argument("--model", default="tiny", help="'tiny', a local HF folder or a .gguf file")
+    add_template_args(ap)
+    ap.add_argument("--bench", default="toyworld", choices=list(BENCHES))
+    ap.add_argument("--responses", default="rehearse", choices=["rehearse", "real"],
+                    help="who writes tool responses: the policy (rehearse) or the environment (real)")
+    ap.add_argument("--group-size", type=int_at_least(1), default=2)
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    model, tok = policy.load_policy(args.model)
-    bench = load_bench(args.bench)
-    tasks = bench.load_tasks("test", limit=2)
-    out = Engine(model, tok).run(tasks, args.group_size, SamplingConfig(seed=args.seed, max_new_tokens=64),
-                                 make_env=bench.make_env, world=args.world)
-    print(describe_row(out, tok, 0))
+    try:
+        bench = load_bench(args.bench)
+        tasks = bench.load_tasks("test", limit=2)
+        engine = load_engine(args.model, args.chat_template, args.chat_template_kwargs, args.tool_call_format)
+    except (policy.PolicyLoadError, chat_format.TemplateError, BenchUnavailable, ImportError) as exc:
+        ap.error(str(exc))
+    cfg = rollout.SamplingConfig(seed=args.seed, max_new_tokens=args.max_new_tokens)
+    out = engine.run(tasks, args.group_size, cfg, make_env=rollout.make_env_fn(bench), responses=args.responses)
+    print(rollout.describe_row(out, engine.tok, 0))
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -179,7 +179,9 @@ def role_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch
 
 @dataclass
 class TrainConfig:
-    model: str = "tiny"              # 'tiny' (embedded, built on first use) or a local HF folder
+    model: str = "tiny"              # 'tiny' (embedded, built on first use), a local HF folder or a .gguf file
+    chat_template: str = ""          # a jinja file replacing the model's chat template ("" = the model's own)
+    chat_template_kwargs: str = ""   # JSON object of extra template variables ("" = the checkpoint's saved ones)
     bench: str = "toyworld"
     split: str = "train"
     task_opts: str = ""              # extra load_tasks options, "key=value,key=value" (e.g. families=balance)
@@ -312,6 +314,18 @@ def validate(cfg: TrainConfig):
                               f"of processes ({world}) so every rank gets the same work")
     if cfg.aggregate not in ("token_mean", "seq_mean"):
         raise ConfigError(f"--aggregate must be token_mean or seq_mean, not {cfg.aggregate!r}")
+    template_kwargs(cfg)
+
+
+def template_kwargs(cfg: TrainConfig) -> dict | None:
+    """--chat-template-kwargs parsed; None when not given (the model's saved variables then apply)."""
+    import policy
+    if not cfg.chat_template_kwargs:
+        return None
+    try:
+        return policy.parse_template_kwargs(cfg.chat_template_kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"--chat-template-kwargs: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -363,6 +377,7 @@ class gathered_for_generation:
 
     def __init__(self, model):
         from torch.distributed.fsdp import FSDPModule
+        self.root = model
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self):
@@ -373,7 +388,9 @@ class gathered_for_generation:
     def __exit__(self, *exc):
         for m in self.modules:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            # back to fully_shard's defaults: the root keeps its parameters after forward (token_logprobs then
+            # uses the unsharded LM-head weight; resharded, it would be a DTensor and the matmul fails)
+            m.set_reshard_after_forward(m is not self.root, recurse=False)
 
 
 def all_sum(values: list[float], d: Dist) -> list[float]:
@@ -517,13 +534,17 @@ def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
-def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict):
-    """ckpt/step_N/: HF folder (model + tokenizer), optim_rank{r}.pt, state.json; then `latest` -> it.
+def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict,
+                    template_kwargs: dict | None = None):
+    """ckpt/step_N/: HF folder (model + tokenizer with its chat template, the template variables),
+    optim_rank{r}.pt, state.json; then `latest` -> it.
 
     Everything is written into a hidden temp folder that is renamed into place, and `latest` is replaced
     last, so a kill at any moment leaves the previous checkpoint as the latest complete one.
     """
     import torch.distributed as dist
+
+    import policy
     name = f"step_{step:06d}"
     final = run / "ckpt" / name
     tmp = run / "ckpt" / f".{name}.tmp"
@@ -539,6 +560,7 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
     if d.main:
         model.save_pretrained(tmp, state_dict=full) if full is not None else model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        policy.save_template_kwargs(tmp, template_kwargs or {})
     if d.world > 1:
         dist.barrier()
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
@@ -611,10 +633,10 @@ class MetricsLog:
 
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
-    import policy
     import reward
     import rollout
     from bench import load_bench
+    from cli import load_engine
     from tqdm import tqdm
 
     d = setup_dist()
@@ -644,9 +666,10 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts))
     if not tasks:
         raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
-    model, tok = policy.load_policy(str(ckpt) if ckpt else cfg.model, dtype=torch.float32, device=d.device)
-    engine = rollout.Engine(model, tok)   # derives the template's scaffolding (fails early if unusable)
-    model = shard(model, d)
+    # a checkpoint carries its chat template (chat_template.jinja) and variables, so resuming reads them there
+    engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
+                         template_kwargs(cfg), dtype=torch.float32, device=d.device)   # fails early if unusable
+    model, tok = shard(engine.model, d), engine.tok
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, cfg.beta2))
     if ckpt is not None:
@@ -671,9 +694,9 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                                   max_total_len=cfg.max_total_len)
     # tau2/vita need a simulated user: --user-model, or by default the policy itself in its own context
     user_engine = engine
-    if cfg.user_model:
-        user_model, user_tok = policy.load_policy(cfg.user_model, dtype=torch.float32, device=d.device)
-        user_engine = rollout.Engine(user_model.eval(), user_tok)
+    if cfg.user_model:   # with its own template and variables, not the agent's
+        user_engine = load_engine(cfg.user_model, dtype=torch.float32, device=d.device)
+        user_engine.model.eval()
     make_env = rollout.make_env_fn(bench, rollout.model_user_fn(user_engine, rollout.SamplingConfig(
         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)))
     total_steps = cfg.sft_steps + cfg.steps
@@ -719,7 +742,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                 with autocast(d):
                     ro = engine.run(batch_tasks, cfg.group_size,
                                     rollout.SamplingConfig(**{**scfg.__dict__, "seed": cfg.seed * 7919 + step * d.world + d.rank}),
-                                    make_env=make_env, world=cfg.env)
+                                    make_env=make_env, responses=cfg.env)
             t_rollout = time.perf_counter() - t0
             t0 = time.perf_counter()
             scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty)
@@ -787,7 +810,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                                          "stopping. Lower --lr or --sft-lr, or check the data")
         done = step + 1
         if done % cfg.save_every == 0 or done == total_steps or stop["flag"]:
-            save_checkpoint(run, done, model, tok, optimizer, cfg, d, {"phase": phase})
+            save_checkpoint(run, done, model, tok, optimizer, cfg, d, {"phase": phase}, engine.template_kwargs)
         if stop["flag"]:
             break
     bar.close()
@@ -801,15 +824,10 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr (not the 20-line usage), exit 2
-        sys.stderr.write(f"train.py: error: {' '.join(str(message).split())} (see python train.py --help)\n")
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
-                 argument_default=argparse.SUPPRESS)
+    from cli import OneLineParser
+    ap = OneLineParser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
+                       argument_default=argparse.SUPPRESS, help_hint=True)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):

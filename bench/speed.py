@@ -371,7 +371,7 @@ def run_engine(model, tok, workload, group, turns, cfg, use_cache):
     engine = Engine(model, tok)
     n_rows = len(workload.tasks) * group
     return engine.run(workload.tasks, group, cfg=dataclasses.replace(cfg, max_turns=turns),
-                      make_env=workload.make_env, world="real", use_cache=use_cache,
+                      make_env=workload.make_env, responses="real", use_cache=use_cache,
                       steer=workload.script(tok, n_rows, turns))
 
 
@@ -668,7 +668,7 @@ def bench_grpo(model, tok, preset, setup: Setup, log):
 
         model.eval()
         t0 = time.perf_counter()
-        ro = engine.run(batch, G, cfg=cfg, world="rehearse", steer=grpo_script(tok, len(batch) * G))
+        ro = engine.run(batch, G, cfg=cfg, responses="rehearse", steer=grpo_script(tok, len(batch) * G))
         t0 = phase("rollout", t0)
         scores = [reward.trajectory_reward("toyworld", batch[ti], traj, defects, defect_penalty=0.1)
                   for ti, traj, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]

@@ -1,5 +1,5 @@
 """Run by tests/test_train.py, under `torchrun --nproc_per_node 2` and as one plain process: the same fixed
-batch, three GRPO updates, then a greedy rollout. Writes losses, parameters and tokens to argv[2]."""
+batch, three GRPO updates, a greedy rollout, then one more update. Writes losses, parameters and tokens to argv[2]."""
 import json
 import os
 import sys
@@ -39,7 +39,13 @@ def main(model_path, out_path):
     model.eval()
     with train.gathered_for_generation(model) if d.world > 1 else torch.no_grad():
         ro = engine.run(tasks(2)[d.rank::d.world] if d.world > 1 else tasks(2), 1,
-                        rollout.SamplingConfig(greedy=True, max_new_tokens=12), world="rehearse")
+                        rollout.SamplingConfig(greedy=True, max_new_tokens=12), responses="rehearse")
+    # an update after a rollout, as every GRPO step does: the root must again keep its parameters after forward
+    model.train()
+    st = train.policy_gradient(model, mine, [Role.ACT, Role.WORLD], lcfg, d, micro_batch=2, temperature=1.0,
+                               chunk_size=16)
+    train.optimizer_step(model, opt, 1.0)
+    losses.append(st["loss"])
     if d.world > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -115,3 +115,15 @@ def run_train(args):
         except SystemExit as exc:      # argparse errors
             code = exc.code
     return types.SimpleNamespace(returncode=code, stderr=err.getvalue())
+
+
+def alternating_rewards():
+    """A stand-in for reward.trajectory_reward giving 1, 0, 1, 0, ... in call order, so GRPO groups (rows of one
+    task are consecutive) are not flat and the loss is computed even for a model that solves nothing."""
+    from bench import Score
+    counter = [0]
+
+    def fake(bench, task, traj, defects, penalty):
+        counter[0] += 1
+        return Score(reward=float(counter[0] % 2))
+    return fake

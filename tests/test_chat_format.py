@@ -371,7 +371,7 @@ def test_real_qwen3_engine_ids_equal_the_template_and_tags_cannot_be_forged(tmp_
     task = Task(id="w", tools=TOOLS, messages=[{"role": "system", "content": "You are a weather assistant."},
                                                 {"role": "user", "content": "Weather in Paris and Oslo?"}])
     out = eng.run([task], cfg=SamplingConfig(greedy=True, max_new_tokens=80, max_turns=8), make_env=lambda t: Env(),
-                  world="real", steer=steer)
+                  responses="real", steer=steer)
     assert out.end_reasons == ["final_answer"]
     ids, roles = out.ids[0, :out.lengths[0]].tolist(), out.roles[0, :out.lengths[0]].tolist()
     traj = out.trajectories[0]

@@ -61,7 +61,7 @@ def test_budget_zero_is_plain_acting(eng, micro64, greedy):
     cfg = SamplingConfig(greedy=greedy, temperature=0.8, top_p=0.9, max_new_tokens=80, seed=5)
     act_script = {0: [LOOKUP, ANSWER, LOOKUP + ["\n"] + PING, ANSWER]}
     ref_env, env = CountingEnv(["again?"]), CountingEnv(["again?"])
-    ref = eng.run(tasks(1), 1, cfg, make_env=lambda t: ref_env, world="real", steer=Script(tok, act_script))
+    ref = eng.run(tasks(1), 1, cfg, make_env=lambda t: ref_env, responses="real", steer=Script(tok, act_script))
     ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=0), steer=Script(tok, act_script))
     r = ep.rollout
     assert torch.equal(r.ids, ref.ids) and torch.equal(r.roles, ref.roles)
@@ -73,7 +73,7 @@ def test_budget_zero_is_plain_acting(eng, micro64, greedy):
     assert ep.rehearsals == [] and ep.stats["extra_tokens"] == 0
     # unscripted sampling from the raw model too
     free = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=11)
-    ref = eng.run(tasks(1), 1, free, make_env=lambda t: EchoEnv(), world="real")
+    ref = eng.run(tasks(1), 1, free, make_env=lambda t: EchoEnv(), responses="real")
     ep = act(eng, tasks(1)[0], free, EchoEnv(), RehearsalConfig(budget=0))
     assert torch.equal(ep.rollout.ids, ref.ids)
 

@@ -558,13 +558,8 @@ def same_params(a, b):
 def varied_rewards(monkeypatch):
     """Rewards 1, 0, 1, 0, ... so GRPO groups are not flat and the loss is computed."""
     import reward
-    from bench import Score
-    counter = [0]
-
-    def fake(bench, task, traj, defects, penalty):
-        counter[0] += 1
-        return Score(reward=float(counter[0] % 2))
-    monkeypatch.setattr(reward, "trajectory_reward", fake)
+    from tests.scripted import alternating_rewards
+    monkeypatch.setattr(reward, "trajectory_reward", alternating_rewards())
 
 
 def test_a_nan_loss_skips_that_update_only(micro_path, tmp_path, monkeypatch, varied_rewards):
@@ -805,7 +800,7 @@ def test_context_past_the_limit_is_cut_with_a_recorded_reason(micro_path):
     n_prompt = max(len(eng.prompt_ids(t)) for t in tasks)
     for limit in (n_prompt - 5, n_prompt + 7):      # the prompt itself too long; the trajectory grows too long
         cfg = rollout.SamplingConfig(max_total_len=limit, max_new_tokens=64, seed=1)
-        ro = eng.run(tasks, 2, cfg, make_env=toyworld.make_env, world="rehearse")
+        ro = eng.run(tasks, 2, cfg, make_env=toyworld.make_env, responses="rehearse")
         for b, (tr, reason) in enumerate(zip(ro.trajectories, ro.end_reasons)):
             prompt = len(eng.prompt_ids(tasks[ro.task_index[b]]))
             if prompt >= limit:                      # nothing generated; the prompt is kept whole
@@ -822,7 +817,7 @@ def test_context_past_the_limit_is_cut_with_a_recorded_reason(micro_path):
     old = model.config.max_position_embeddings       # the model's own maximum wins over a larger max_total_len
     model.config.max_position_embeddings = n_prompt + 3
     try:
-        ro = eng.run(tasks, 1, rollout.SamplingConfig(max_total_len=10_000, max_new_tokens=64), world="rehearse")
+        ro = eng.run(tasks, 1, rollout.SamplingConfig(max_total_len=10_000, max_new_tokens=64), responses="rehearse")
     finally:
         model.config.max_position_embeddings = old
     assert int(ro.lengths.max()) <= n_prompt + 3 and "max_length" in ro.end_reasons

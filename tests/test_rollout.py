@@ -35,7 +35,7 @@ def run_ragged(model, tok, use_cache, cfg=None):
     followups = {"t0": ["and one more?"], "t1": ["and now?"]}
     eng = Engine(model, tok)
     return eng.run(tasks(2), group_size=2, cfg=cfg or SamplingConfig(greedy=True, max_new_tokens=80, seed=0),
-                   make_env=lambda t: EchoEnv(followups[t.id]), world=lambda row, call: row % 2 == 0,
+                   make_env=lambda t: EchoEnv(followups[t.id]), responses=lambda row, call: row % 2 == 0,
                    use_cache=use_cache, steer=ragged_script(tok))
 
 
@@ -81,7 +81,7 @@ def test_roles_are_exact_on_a_scripted_conversation(tiny64):
     env = EchoEnv(["next question"])
     script = Script(tok, {0: [LOOKUP + ["\n"] + PING, ANSWER, ANSWER]}, {0: [WORLD]})
     out = eng.run(tasks(1), cfg=SamplingConfig(greedy=True, max_new_tokens=80), make_env=lambda t: env,
-                  world=lambda row, call: call.name == "lookup", steer=script)
+                  responses=lambda row, call: call.name == "lookup", steer=script)
     ids, roles, traj = out.ids[0].tolist(), out.roles[0].tolist(), out.trajectories[0]
     prompt = eng.prompt_ids(tasks(1)[0])
     assert roles[:len(prompt)] == [Role.PROMPT] * len(prompt) and ids[:len(prompt)] == prompt
@@ -112,7 +112,7 @@ def test_ids_decode_to_the_chat_template_rendering(tiny64):
     eng = Engine(model, tok)
     script = Script(tok, {0: [LOOKUP, ANSWER], 1: [PING, ANSWER]})
     out = eng.run(tasks(1), group_size=2, cfg=SamplingConfig(greedy=True, max_new_tokens=80),
-                  make_env=lambda t: EchoEnv(), world="real", steer=script)
+                  make_env=lambda t: EchoEnv(), responses="real", steer=script)
     for b in range(2):
         traj = out.trajectories[b]
         n = int(out.lengths[b])
@@ -135,7 +135,7 @@ def test_each_malformed_call_gives_its_typed_error_and_the_batch_survives(tiny64
     act[6] = [LOOKUP, ANSWER]                                                   # a healthy row alongside
     eng = Engine(model, tok)
     out = eng.run(tasks(1), group_size=7, cfg=SamplingConfig(greedy=True, max_new_tokens=60),
-                  make_env=lambda t: EchoEnv(), world="real", steer=Script(tok, act))
+                  make_env=lambda t: EchoEnv(), responses="real", steer=Script(tok, act))
     for r, (_, kind) in cases.items():
         errors = out.trajectories[r].errors
         assert any(e.startswith(kind) for e in errors), (r, errors)
@@ -151,11 +151,11 @@ def test_limits_end_rows_cleanly(tiny64):
     eng = Engine(model, tok)
     loop = {0: [LOOKUP] * 10, 1: [LOOKUP] * 10}
     out = eng.run(tasks(1), group_size=2, cfg=SamplingConfig(greedy=True, max_new_tokens=80, max_turns=3),
-                  make_env=lambda t: EchoEnv(), world="real", steer=Script(tok, loop))
+                  make_env=lambda t: EchoEnv(), responses="real", steer=Script(tok, loop))
     assert out.end_reasons == ["max_turns", "max_turns"] and len(out.trajectories[0].calls) == 3
     n_prompt = len(eng.prompt_ids(tasks(1)[0]))
     out = eng.run(tasks(1), cfg=SamplingConfig(greedy=True, max_new_tokens=80, max_total_len=n_prompt + 30),
-                  make_env=lambda t: EchoEnv(), world="real", steer=Script(tok, loop))
+                  make_env=lambda t: EchoEnv(), responses="real", steer=Script(tok, loop))
     assert out.end_reasons == ["max_length"] and int(out.lengths[0]) <= n_prompt + 30
     out = eng.run(tasks(1), cfg=SamplingConfig(max_total_len=10), make_env=lambda t: EchoEnv())
     assert out.end_reasons == ["max_length"] and "context_too_long" in out.trajectories[0].errors[0]

@@ -132,7 +132,7 @@ def test_grpo_raises_the_reward_of_a_trivially_learnable_target(micro_path):
     d = train.Dist()
 
     def rollout_and_reward(seed):
-        ro = engine.run(tasks(2), 16, rollout.SamplingConfig(**{**cfg.__dict__, "seed": seed}), world="rehearse")
+        ro = engine.run(tasks(2), 16, rollout.SamplingConfig(**{**cfg.__dict__, "seed": seed}), responses="rehearse")
         first = [int(ro.ids[b][ro.roles[b] == Role.ACT][0]) for b in range(ro.ids.shape[0])]
         return ro, torch.tensor([float(f % 2 == 0) for f in first])
 
