@@ -198,11 +198,11 @@ def n_params(model, embeddings=True):
 class Meter:
     """Forward hooks: positions fed (padding included), forward calls, and FLOPs (linears + dense attention)."""
 
-    def __init__(self, model):
+    def __init__(self, model, linears=True):
         c = model.config
         self.attn_per_qk = 4 * c.num_hidden_layers * c.num_attention_heads * getattr(
             c, "head_dim", c.hidden_size // c.num_attention_heads)
-        self.model, self.handles = model, []
+        self.model, self.handles, self.linears = model, [], linears
         self.reset()
 
     def reset(self):
@@ -239,7 +239,7 @@ class Meter:
     def __enter__(self):
         self.handles.append(self.model.register_forward_pre_hook(self._top, with_kwargs=True))
         self.handles.append(self.model.register_forward_hook(self._top_done, with_kwargs=True))
-        for m in self.model.modules():
+        for m in self.model.modules() if self.linears else ():
             if isinstance(m, torch.nn.Linear):
                 self.handles.append(m.register_forward_hook(self._linear))
         return self
@@ -248,6 +248,39 @@ class Meter:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class DecodeCompiled(torch.nn.Module):
+    """The model for Engine(...), with its decode forwards (one new token per row) run through
+    torch.compile(model.forward, mode=...); prefill and observation chunks stay eager. With
+    mode="reduce-overhead" on CUDA, inductor replays CUDA graphs; they are recorded per distinct shape (rows,
+    cache length), which the engine's growing cache changes at every step: the measured time includes every
+    recording a rollout needs. On CPU the same mode compiles inductor C++ code and has no graphs to replay.
+    dynamic=True: the rows and cache length are symbolic, so a rollout compiles a couple of graphs, not one per
+    step (checked in tests/test_speed.py with backend="eager")."""
+
+    def __init__(self, model, mode: str | None = "reduce-overhead", backend: str | None = None):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+        kw = {"backend": backend} if backend else {"mode": mode}
+        self.compiled = torch.compile(model.forward, dynamic=True, **kw)
+
+    def forward(self, input_ids=None, **kwargs):
+        fn = self.compiled if input_ids is not None and input_ids.shape[1] == 1 else self.inner
+        return fn(input_ids=input_ids, **kwargs)
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+
+def compile_counters() -> dict:
+    """What dynamo compiled so far (graphs, captured calls, graph breaks, recompiles), for the JSON."""
+    from torch._dynamo.utils import counters
+    return {k: dict(counters[k]) for k in ("stats", "graph_break", "recompiles", "inductor") if counters[k]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -511,17 +544,18 @@ def decode_summary(steps, bound: Bound | None) -> dict:
     return out
 
 
-def measure(model, fn, bound: Bound | None = None):
+def measure(model, fn, bound: Bound | None = None, linears=True):
     device = next(model.parameters()).device
     reset_peak(device)
-    with Meter(model) as meter:
+    with Meter(model, linears) as meter:
         sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
         sync(device)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, "forward_calls": meter.calls,
-                    "positions": meter.positions, "tflops": meter.flops / 1e12, "peak_mib": peak_mib(device),
+                    "positions": meter.positions, "tflops": meter.flops / 1e12 if linears else None,
+                    "peak_mib": peak_mib(device),
                     "decode": decode_summary(meter.decode_steps, bound)}
 
 
@@ -544,7 +578,8 @@ def rollout_cells(spec, tasks):
     return cells
 
 
-def bench_rollout(model, tok, preset, log, info: dict | None = None, bandwidth: dict | None = None):
+def bench_rollout(model, tok, preset, log, info: dict | None = None, bandwidth: dict | None = None,
+                  compiled: DecodeCompiled | None = None):
     """Every workload of the preset's cells (returned); a workload whose benchmark package is missing is
     skipped with a note. `info` receives the bandwidth, the bound's byte counts and the targets' outcomes."""
     from bench import BenchUnavailable
@@ -565,7 +600,12 @@ def bench_rollout(model, tok, preset, log, info: dict | None = None, bandwidth: 
             continue
         log(f"\n{workload.about}")
         log(ROLLOUT_HEADER)
-        cells += bench_workload(model, tok, workload, specs, bound, log)
+        cells += bench_workload(model, tok, workload, specs, bound, log, compiled)
+    if compiled is not None:
+        counters = compile_counters()
+        log(f"torch.compile counters: {counters}")
+        if info is not None:
+            info["compile_counters"] = counters
     if info is not None:
         info.update(bandwidth=bandwidth, weight_bytes=bound.weight_bytes, kv_bytes_per_token=bound.kv_per_token,
                     targets=targets(cells, log))
@@ -595,12 +635,22 @@ def targets(cells, log):
     return out
 
 
-def bench_workload(model, tok, workload, specs, bound, log):
+def bench_workload(model, tok, workload, specs, bound, log, compiled: DecodeCompiled | None = None):
     cfg = SamplingConfig(greedy=True, max_new_tokens=max(48, workload.longest_turn(tok) + 8),
                          max_total_len=model.config.max_position_embeddings, seed=0)
     engine = Engine(model, tok)
     warm = dataclasses.replace(workload, tasks=workload.tasks[:1])
     run_engine(model, tok, warm, 2, 2, cfg, True)      # warm-up (first-call overheads)
+    compile_seconds = None
+    if compiled is not None:
+        # compiling, then (seen with inductor on CPU) a stretch of slow calls before the steady state: two warm-up
+        # runs, both timed; what is still new in a cell (CUDA graph recordings of unseen shapes) is paid there
+        compile_seconds = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            run_engine(compiled, tok, warm, 2, 3, cfg, True)
+            compile_seconds.append(time.perf_counter() - t0)
+        log(f"(compiled decode: warm-up runs incl. compiling {' + '.join(f'{x:.1f}' for x in compile_seconds)} s)")
     cells = []
     for spec in specs:
         group, turns = spec["group"], spec["turns"]
@@ -633,6 +683,14 @@ def bench_workload(model, tok, workload, specs, bound, log):
                 cell[f"cpu_speedup_vs_{k}"] = cell[k]["cpu_seconds"] / a["cpu_seconds"]
                 cell[f"flops_ratio_{k}"] = cell[k]["tflops"] / a["tflops"]
         cell["identical_ids"] = all(cell[k]["identical_ids"] for k in METHODS if k in cell)
+        if compiled is not None:   # the engine again, decode forwards compiled; FLOPs are not counted inside it
+            co, m = measure(compiled, lambda: run_engine(compiled, tok, wl, group, turns, cfg, True), bound,
+                            linears=False)
+            m.update(sampled_tokens=co.stats["tokens_sampled"], identical_ids=bool(torch.equal(co.ids, ref.ids)),
+                     warmup_seconds=compile_seconds)
+            m["tokens_per_s"] = m["sampled_tokens"] / m["seconds"]
+            cell["compiled"] = m
+            cell["compiled_speedup"] = a["seconds"] / m["seconds"]
         cells.append(cell)
         log(rollout_row(cell))
     return cells
@@ -656,8 +714,15 @@ def rollout_row(c):
     flops = "/".join(g(c[k]["tflops"]) if k in c else "-" for k in ("cached", *METHODS))
     pos = "/".join(str(c[k]["positions"]) if k in c else "-" for k in ("cached", *METHODS))
     same = " ".join(f"{k}:{'yes' if c[k]['identical_ids'] else 'NO'}" for k in has)
-    return (f"{c['tasks']:>5} {c['group']:>3} {c['turns']:>5} {c['context_tokens']:>5} | "
-            f"{c['cached']['tokens_per_s']:>12.1f} {tps} | {xs} | {dec} | {flops:>26} | {pos:>30} | {same}")
+    row = (f"{c['tasks']:>5} {c['group']:>3} {c['turns']:>5} {c['context_tokens']:>5} | "
+           f"{c['cached']['tokens_per_s']:>12.1f} {tps} | {xs} | {dec} | {flops:>26} | {pos:>30} | {same}")
+    if "compiled" in c:
+        m, d = c["compiled"], c["compiled"]["decode"]
+        row += (f"\n{'':>21}compiled decode: {m['tokens_per_s']:.1f} tok/s, {c['compiled_speedup']:.2f}x the eager "
+                f"engine, decode {d.get('median_ms', float('nan')):.2f} ms, bound "
+                f"{d.get('bound_fraction', float('nan')):.2f}/{d.get('bound_fraction_kv', float('nan')):.2f}, "
+                f"same ids: {'yes' if m['identical_ids'] else 'NO'}")
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -932,6 +997,11 @@ def summarize(result):
             n = "" if c["tasks"] == 1 else f"_n{c['tasks']}"
             out[f"decode_bound_fraction_{c['workload']}{n}_t{c['turns']}_g{c['group']}"] = round(
                 c["cached"]["decode"]["bound_fraction"], 4)
+    for c in cells:
+        if "compiled_speedup" in c:
+            n = "" if c["tasks"] == 1 else f"_n{c['tasks']}"
+            out[f"compiled_decode_speedup_{c['workload']}{n}_t{c['turns']}_g{c['group']}"] = round(
+                c["compiled_speedup"], 3)
     for t in result.get("rollout_bound", {}).get("targets", []):
         out[f"target: {t['target']}"] = "not run" if t["met"] is None else \
             f"{t['measured']:.2f}x {'met' if t['met'] else 'NOT MET'}"
@@ -958,6 +1028,10 @@ def main(argv=None):
                         "met / not met lines")
     p.add_argument("--workloads", default=None,
                    help=f"comma list of rollout workloads ({', '.join(WORKLOADS)}; default: the preset's)")
+    p.add_argument("--compile", nargs="?", const="reduce-overhead", default=None, metavar="MODE",
+                   help="also run the engine with its decode forwards through torch.compile(mode=MODE), default "
+                        "reduce-overhead (CUDA graphs; on CPU inductor C++ code without graphs, and minutes of "
+                        "compiling)")
     p.add_argument("--out", default="runs/speed/speed.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="the smallest run (the test suite's smoke test)")
@@ -988,6 +1062,15 @@ def main(argv=None):
     bad = [x for x in parts if x not in ("rollout", "logprob", "grpo")]
     if bad:
         raise ValueError(f"unknown part(s) {bad}; choose from rollout, logprob, grpo")
+    if args.compile is not None:
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        if args.compile not in modes:
+            raise SystemExit(f"--compile takes a torch.compile mode ({', '.join(modes)}), not {args.compile!r}")
+        if "rollout" not in parts:
+            raise SystemExit("--compile compiles the rollout engine's decode forward: add rollout to --parts")
+        if not args.gpu and args.compile in ("reduce-overhead", "max-autotune"):
+            print(f"note: --compile {args.compile} on CPU: torch.compile has no CUDA graphs here, so this measures "
+                  "inductor's C++ code for the decode forward (compiling takes a minute or more)", flush=True)
     name = "gpu" if args.gpu else "smoke" if args.smoke else "quick" if args.quick else "default"
     preset = PRESETS[name]
     if args.gpu and not args.arch:
@@ -1074,7 +1157,8 @@ def main(argv=None):
                 if "rollout" in parts:
                     log("\n-- 1. multi-turn rollout: sampled tokens/s; x hf / x nc = cached speedup (wall time)")
                     info = run["rollout_bound"] = {}
-                    attempt("rollout", lambda: bench_rollout(model, tok, preset, log, info))
+                    compiled = DecodeCompiled(model, args.compile) if args.compile else None
+                    attempt("rollout", lambda: bench_rollout(model, tok, preset, log, info, compiled=compiled))
                 if "grpo" in parts:
                     log("\n-- 3. one GRPO step on toyworld (rehearsal rollout), median seconds per phase")
                     attempt("grpo", lambda: bench_grpo(model, tok, preset, setup, log))
