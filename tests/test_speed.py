@@ -117,11 +117,11 @@ def test_compiled_decode_wrapper_same_ids():
     assert speed.weight_bytes(wrapped) == speed.weight_bytes(model)
 
 
-def test_compile_flag_refused_clearly(tmp_path):
+def test_bad_compile_mode_and_targets_combination_are_clear_errors(tmp_path):
     with pytest.raises(SystemExit, match="torch.compile mode"):
         speed.main(["--smoke", "--compile", "bogus", "--out", str(tmp_path / "x.json")])
-    with pytest.raises(SystemExit, match="add rollout to --parts"):
-        speed.main(["--smoke", "--compile", "--parts", "grpo", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="does not combine with --smoke"):
+        speed.main(["--smoke", "--targets", "--out", str(tmp_path / "x.json")])
 
 
 def test_tau2_workload_is_real_and_long(smoke):
