@@ -115,7 +115,7 @@ PRESETS = {
     "smoke": dict(rollout={"toyworld": dict(turns=[1, 2], groups=[2], nocache=[(1, 2)],
                                             cells=[dict(tasks=2, group=2, turns=2)]),
                            "tau2": dict(turns=[2], groups=[2], nocache=[])},
-                  tasks=1, logprob=[(4096, 512)], logprob_hidden=64, arch_vocab=8192, bandwidth_mib=64,
+                  tasks=1, logprob=[(4096, 512)], logprob_hidden=64, arch_vocab=8192, bandwidth_mib=64, matmul_n=256,
                   grpo_tasks=1, grpo_group=2, grpo_steps=1, grpo_warmup=0),
     "quick": dict(rollout={"toyworld": dict(turns=[1, 4], groups=[4], nocache=[(1, 4)])},
                   tasks=1, logprob=[(32768, 2048)], logprob_hidden=64,
@@ -220,7 +220,7 @@ class Meter:
     def reset(self):
         self.calls = self.positions = 0
         self.flops = 0.0
-        self.decode_steps = []   # (seconds, rows, key length) of every forward that feeds one token per row
+        self.decode_steps = []   # (seconds, rows, key length, FLOPs) of each forward feeding one token per row
         self._t0 = None
 
     def _top(self, module, args, kwargs):
@@ -234,14 +234,15 @@ class Meter:
         self.calls += 1
         self.positions += b * q
         self.flops += self.attn_per_qk * b * q * k
-        self._step = (b, k) if q == 1 else None
+        self._step = (b, k, self.flops) if q == 1 else None
         sync(ids.device)
         self._t0 = time.perf_counter()
 
     def _top_done(self, module, args, kwargs, output):
         if self._t0 is not None and self._step is not None:
             sync(next(module.parameters()).device)
-            self.decode_steps.append((time.perf_counter() - self._t0, *self._step))
+            b, k, flops0 = self._step
+            self.decode_steps.append((time.perf_counter() - self._t0, b, k, self.flops - flops0))
         self._t0 = None
 
     def _linear(self, module, args, output):
@@ -500,9 +501,13 @@ class Bound:
     weight_bytes: int
     kv_per_token: int
     bandwidth: float       # bytes/s
+    flops_per_s: float | None = None   # measured matmul throughput, for the roofline (bytes or FLOPs, the larger)
 
     def seconds(self, rows=0, keys=0, kv=False):
         return (self.weight_bytes + (self.kv_per_token * rows * keys if kv else 0)) / self.bandwidth
+
+    def roofline(self, rows, keys, flops):
+        return max(self.seconds(rows, keys, kv=True), flops / self.flops_per_s if self.flops_per_s else 0.0)
 
 
 def weight_bytes(model) -> int:
@@ -542,17 +547,35 @@ def memory_bandwidth(device, dtype, mib=None, repeats=5) -> dict:
     return {"mib": mib, "read_gbs": read, "copy_gbs": copy, "gbs": max(read, copy)}
 
 
-def decode_summary(steps, bound: Bound | None) -> dict:
+def matmul_flops(device, dtype, n=None, repeats=3) -> float:
+    """Dense matmul throughput measured here and now (best of `repeats` n x n products), FLOP/s."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a, b = torch.rand(n, n, device=device).to(dtype), torch.rand(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):   # the first one warms up
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def decode_summary(steps, bound: Bound | None, flops_counted=True) -> dict:
     """Pure decode steps (one new token per row): their time, and the weight-streaming bound as a fraction of
-    it (1.0 = the step takes no longer than reading the weights once at the measured bandwidth)."""
+    it (1.0 = the step takes no longer than reading the weights once at the measured bandwidth); _kv: the
+    weights and the KV cache the step reads; roofline: the larger of that and FLOPs / measured matmul FLOP/s
+    (on CPU a 32-row step is compute-, not bandwidth-bound)."""
     if not steps:
         return {"steps": 0}
-    seconds = sum(s for s, _, _ in steps)
-    out = {"steps": len(steps), "median_ms": 1e3 * statistics.median(s for s, _, _ in steps),
-           "mean_rows": sum(b for _, b, _ in steps) / len(steps), "seconds": seconds}
+    seconds = sum(s[0] for s in steps)
+    out = {"steps": len(steps), "median_ms": 1e3 * statistics.median(s[0] for s in steps),
+           "mean_rows": sum(s[1] for s in steps) / len(steps), "seconds": seconds}
     if bound is not None:
         out["bound_fraction"] = len(steps) * bound.seconds() / seconds
-        out["bound_fraction_kv"] = sum(bound.seconds(b, k, kv=True) for _, b, k in steps) / seconds
+        out["bound_fraction_kv"] = sum(bound.seconds(b, k, kv=True) for _, b, k, _ in steps) / seconds
+        if flops_counted and bound.flops_per_s:
+            out["roofline_fraction"] = sum(bound.roofline(b, k, f) for _, b, k, f in steps) / seconds
     return out
 
 
@@ -568,7 +591,7 @@ def measure(model, fn, bound: Bound | None = None, linears=True):
     return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, "forward_calls": meter.calls,
                     "positions": meter.positions, "tflops": meter.flops / 1e12 if linears else None,
                     "peak_mib": peak_mib(device),
-                    "decode": decode_summary(meter.decode_steps, bound)}
+                    "decode": decode_summary(meter.decode_steps, bound, linears)}
 
 
 # The throughput targets: (workload, tasks, group, turns, baseline, ratio). Each is the engine's wall-time
@@ -598,10 +621,15 @@ def bench_rollout(model, tok, preset, log, info: dict | None = None, bandwidth: 
     device = next(model.parameters()).device
     if bandwidth is None:
         bandwidth = memory_bandwidth(device, next(model.parameters()).dtype, preset.get("bandwidth_mib"))
-    bound = Bound(weight_bytes(model), kv_bytes_per_token(model), bandwidth["gbs"] * 1e9)
+    if "matmul_gflops" not in bandwidth:
+        bandwidth["matmul_gflops"] = matmul_flops(device, next(model.parameters()).dtype,
+                                                  preset.get("matmul_n")) / 1e9
+    bound = Bound(weight_bytes(model), kv_bytes_per_token(model), bandwidth["gbs"] * 1e9,
+                  bandwidth["matmul_gflops"] * 1e9)
     log(f"memory bandwidth {bandwidth['gbs']:.1f} GB/s (sum {bandwidth['read_gbs']:.1f}, copy "
         f"{bandwidth['copy_gbs']:.1f}, {bandwidth['mib']} MiB); weights read per forward "
-        f"{bound.weight_bytes / 2**20:.1f} MiB -> weight-streaming bound {1e3 * bound.seconds():.2f} ms a step")
+        f"{bound.weight_bytes / 2**20:.1f} MiB -> weight-streaming bound {1e3 * bound.seconds():.2f} ms a step; "
+        f"matmul {bandwidth['matmul_gflops']:.0f} GFLOP/s (for the roofline column)")
     cells = []
     for name, spec in preset["rollout"].items():
         specs = rollout_cells(spec, preset["tasks"])
@@ -724,20 +752,23 @@ def bench_workload(model, tok, workload, specs, bound, log, compiled: DecodeComp
 
 
 ROLLOUT_HEADER = (f"{'tasks':>5} {'G':>3} {'turns':>5} {'ctx':>5} | {'tok/s cached':>12} {'hf':>7} {'row':>7} "
-                  f"{'nocache':>7} | {'x hf':>5} {'x row':>5} {'x nc':>5} | {'decode ms':>9} {'bound w/w+kv':>13} | "
+                  f"{'nocache':>7} | {'x hf':>5} {'x row':>5} {'x nc':>5} | {'decode ms':>9} "
+                  f"{'bound w/w+kv/roof':>20} | "
                   f"{'TFLOP cached/hf/row/nc':>26} | {'positions cached/hf/row/nc':>30} | same ids")
 
 
 def rollout_row(c):
     """One cell: tokens/s, the engine's wall-time speedups, its median decode step and the weight-streaming
-    bound's fraction of it (weights only / weights + the KV cache read), FLOPs, positions, id checks."""
+    bound's fraction of it (weights only / weights + the KV cache read / roofline), FLOPs, positions, id
+    checks."""
     g = lambda x: f"{x:.3g}"  # noqa: E731
     has = [k for k in METHODS if k in c]
     tps = " ".join(f"{c[k]['tokens_per_s']:>7.1f}" if k in c else f"{'-':>7}" for k in METHODS)
     xs = " ".join(f"{c['speedup_vs_' + k]:>5.2f}" if k in c else f"{'-':>5}" for k in METHODS)
     d = c["cached"]["decode"]
-    dec = (f"{d['median_ms']:>9.2f} {d['bound_fraction']:>6.3f}/{d['bound_fraction_kv']:<6.3f}"
-           if d.get("bound_fraction") is not None else f"{'-':>9} {'-':>13}")
+    dec = (f"{d['median_ms']:>9.2f} {d['bound_fraction']:>6.3f}/{d['bound_fraction_kv']:.3f}/"
+           f"{d.get('roofline_fraction', float('nan')):<6.3f}"
+           if d.get("bound_fraction") is not None else f"{'-':>9} {'-':>20}")
     flops = "/".join(g(c[k]["tflops"]) if k in c else "-" for k in ("cached", *METHODS))
     pos = "/".join(str(c[k]["positions"]) if k in c else "-" for k in ("cached", *METHODS))
     same = " ".join(f"{k}:{'yes' if c[k]['identical_ids'] else 'NO'}" for k in has)
@@ -1185,7 +1216,8 @@ def main(argv=None):
                 if "rollout" in parts:
                     log("\n-- 1. multi-turn rollout: sampled tokens/s; x hf / x row / x nc = the engine's speedup "
                         "(wall time); decode ms = the engine's median decode step, bound = the weight-streaming "
-                        "bound / its decode time (weights only / + KV read)")
+                        "bound / its decode time (weights only / + KV read / roofline: the larger of bytes and "
+                        "FLOPs at the measured matmul rate)")
                     info = run["rollout_bound"] = {}
                     compiled = DecodeCompiled(model, args.compile) if args.compile else None
                     attempt("rollout", lambda: bench_rollout(model, tok, preset, log, info, compiled=compiled))

@@ -68,16 +68,16 @@ def test_row_cache_baseline_same_ids_and_prefill(smoke):
 def test_bandwidth_and_bound_are_finite_and_positive(smoke):
     run = smoke["runs"]["sdpa"]
     b = run["rollout_bound"]
-    for key in ("read_gbs", "copy_gbs", "gbs"):
+    for key in ("read_gbs", "copy_gbs", "gbs", "matmul_gflops"):
         assert math.isfinite(b["bandwidth"][key]) and b["bandwidth"][key] > 0
     assert b["weight_bytes"] > 0 and b["kv_bytes_per_token"] > 0
     for c in run["rollout"]:
         for method in ("cached", "rowcache"):
             d = c[method]["decode"]
             assert d["steps"] > 0 and d["median_ms"] > 0
-            for key in ("bound_fraction", "bound_fraction_kv"):
+            for key in ("bound_fraction", "bound_fraction_kv", "roofline_fraction"):
                 assert math.isfinite(d[key]) and d[key] > 0
-            assert d["bound_fraction_kv"] > d["bound_fraction"]
+            assert d["roofline_fraction"] >= d["bound_fraction_kv"] > d["bound_fraction"]
     # the targets are listed; the smoke preset does not run their cells
     assert [t["met"] for t in b["targets"]] == [None, None, None]
     assert "targets (wall-time ratios of this run)" in smoke["table"]
@@ -87,10 +87,14 @@ def test_bound_arithmetic():
     bound = speed.Bound(weight_bytes=4_000_000, kv_per_token=1000, bandwidth=1e9)
     assert bound.seconds() == pytest.approx(4e-3)
     assert bound.seconds(rows=2, keys=500, kv=True) == pytest.approx(5e-3)
-    d = speed.decode_summary([(8e-3, 2, 500), (8e-3, 2, 500)], bound)
+    bound.flops_per_s = 1e12
+    d = speed.decode_summary([(8e-3, 2, 500, 1e9), (8e-3, 2, 500, 7e9)], bound)
     assert d["bound_fraction"] == pytest.approx(0.5) and d["bound_fraction_kv"] == pytest.approx(5 / 8)
+    assert d["roofline_fraction"] == pytest.approx((5e-3 + 7e-3) / 16e-3)
     bw = speed.memory_bandwidth(torch.device("cpu"), torch.float32, mib=8, repeats=2)
     assert all(math.isfinite(bw[k]) and bw[k] > 0 for k in ("read_gbs", "copy_gbs", "gbs"))
+    flops = speed.matmul_flops(torch.device("cpu"), torch.float32, n=128, repeats=2)
+    assert math.isfinite(flops) and flops > 0
 
 
 def test_compiled_decode_wrapper_same_ids():
