@@ -2,7 +2,7 @@
 
     python bench/speed.py                 # CPU default (~13 minutes on 2 cores), writes runs/speed/speed.json
     python bench/speed.py --workloads toyworld   # without the tau2 workload (~3 minutes)
-    python bench/speed.py --targets       # only the targets' cells (8 tasks x G=4, 8 turns; ~10 minutes on 2 cores)
+    python bench/speed.py --targets       # only the targets' cells (8 tasks x G=4, 8 turns; ~30 min on 2 cores)
     python bench/speed.py --quick         # CPU, under a minute
     python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
     python bench/speed.py --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
