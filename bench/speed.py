@@ -2,17 +2,24 @@
 
     python bench/speed.py                 # CPU default (~13 minutes on 2 cores), writes runs/speed/speed.json
     python bench/speed.py --workloads toyworld   # without the tau2 workload (~3 minutes)
+    python bench/speed.py --targets       # only the targets' cells (8 tasks x G=4, 8 turns; ~30 min on 2 cores)
     python bench/speed.py --quick         # CPU, under a minute
     python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
     python bench/speed.py --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
     bash bench/speed_gpu.sh               # the same, the way it is meant to run on one H200-class GPU
 
-1. rollout   Multi-turn rollout throughput at 1/4/8/16 turns and several group sizes, three ways, on the same
-             model and the same sampled token ids (greedy + a scripted steering hook, tests/scripted.Script):
+1. rollout   Multi-turn rollout throughput at 1/4/8/16 turns and several group sizes (one task), plus the
+             row counts training uses (8 tasks x G=4 = 32 rows, 8 turns), four ways, on the same model and the
+             same sampled token ids (greedy + a scripted steering hook, tests/scripted.Script):
                cached   rollout.Engine: the KV cache is kept across turns, only new tokens are ever fed
                hf       HF `model.generate` once per turn on the re-encoded full context, then the turn's
                         tokens and the observation are appended (what TRL's transformers path does)
+               rowcache HF `model.generate` once per row and turn, each row keeping its DynamicCache between
+                        turns and passing its full ids, so only new tokens are prefilled; each task's prompt
+                        prefilled once and its cache copied to the group (what an informed HF user writes for
+                        ragged rows: the strongest CPU peer here)
                nocache  Engine.run(use_cache=False): every sampling step re-encodes every row
+             --compile adds the engine with its decode forwards through torch.compile (DecodeCompiled).
              Two workloads, every call executed by the real environment:
                toyworld the embedded toy world: ~100-token prompts, ~20-token observations; each assistant
                         turn is get_balance with a model-chosen account (free slots), the last a short answer
@@ -26,6 +33,11 @@
              Counted for every method: wall seconds, sampled tokens/s, positions processed (every position of
              every forward, padding included) and forward FLOPs (every nn.Linear, plus dense attention
              4 * layers * B * Q * K * heads * head_dim).
+             The limit: every decode step (one new token per row) is timed and set against the weight-streaming
+             bound, weight bytes read per forward / memory bandwidth, the bandwidth measured in the same run
+             (best of 5 sums and copies of a 512 MiB tensor; 4 GiB on GPU). bound w = that bound's share of the
+             measured decode time (1.0 = at the limit); w+kv also counts the KV cache each step reads.
+             Targets (TARGETS) are printed as this run's ratios, met / not met.
 2. logprob   Peak memory of train.token_logprobs (chunked, role-masked, checkpointed LM head) vs a naive full
              log_softmax over [T, V], forward + backward, vocab 32k and 152k, sequence 4k-16k, a 2-layer model
              with small hidden. Each measurement runs in a fresh subprocess: on CPU the peak is
@@ -100,25 +112,36 @@ PRESETS = {
     # rollout: per workload, the turns and group sizes measured (rows = tasks * group) and the (turns, group)
     # cells also run without a cache; logprob: (vocab, seq) cells; arch_vocab: the smoke test runs the --gpu
     # construction with a smaller vocab, to stay fast on CPU
-    "smoke": dict(rollout={"toyworld": dict(turns=[1, 2], groups=[2], nocache=[(1, 2)]),
+    "smoke": dict(rollout={"toyworld": dict(turns=[1, 2], groups=[2], nocache=[(1, 2)],
+                                            cells=[dict(tasks=2, group=2, turns=2)]),
                            "tau2": dict(turns=[2], groups=[2], nocache=[])},
-                  tasks=1, logprob=[(4096, 512)], logprob_hidden=64, arch_vocab=8192,
+                  tasks=1, logprob=[(4096, 512)], logprob_hidden=64, arch_vocab=8192, bandwidth_mib=64, matmul_n=256,
                   grpo_tasks=1, grpo_group=2, grpo_steps=1, grpo_warmup=0),
     "quick": dict(rollout={"toyworld": dict(turns=[1, 4], groups=[4], nocache=[(1, 4)])},
                   tasks=1, logprob=[(32768, 2048)], logprob_hidden=64,
                   grpo_tasks=2, grpo_group=2, grpo_steps=1, grpo_warmup=0),
     # nocache re-encodes every row at every step: 4 turns already cost ~100x the cached run, so it stops there.
     # tau2's HF baseline re-encodes ~9-13k tokens per row and turn (~25-45 s a turn at G=4 on 2 cores): G=4 only.
-    "default": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[4, 16], nocache=[(1, 4), (4, 4)]),
-                             "tau2": dict(turns=[1, 4, 8], groups=[4], nocache=[])},
+    # + the targets' cells (TARGET_CELLS), at the row counts training uses: 8 tasks x G=4
+    "default": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[4, 16], nocache=[(1, 4), (4, 4)],
+                                              cells=[dict(tasks=8, group=4, turns=8)]),
+                             "tau2": dict(turns=[1, 4, 8], groups=[4], nocache=[],
+                                          cells=[dict(tasks=8, group=4, turns=8, hf=False)])},
                     tasks=1, logprob=[(32768, 4096), (32768, 16384), (QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 16384)],
                     logprob_hidden=128, grpo_tasks=4, grpo_group=4, grpo_steps=3, grpo_warmup=1),
-    "gpu": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[8, 32], nocache=[(1, 8), (4, 8), (8, 8)]),
+    "gpu": dict(rollout={"toyworld": dict(turns=[1, 4, 8, 16], groups=[8, 32], nocache=[(1, 8), (4, 8), (8, 8)],
+                                          cells=[dict(tasks=8, group=4, turns=8)]),
                          # no nocache cell: its full-sequence logits would be [8, ~9k, 151936]
-                         "tau2": dict(turns=[1, 4, 8, 16], groups=[8], nocache=[])},
+                         "tau2": dict(turns=[1, 4, 8, 16], groups=[8], nocache=[],
+                                      cells=[dict(tasks=8, group=4, turns=8)])},
                 tasks=1, logprob=[(QWEN3_VOCAB, 4096), (QWEN3_VOCAB, 8192), (QWEN3_VOCAB, 16384)],
                 logprob_hidden=None, grpo_tasks=4, grpo_group=8, grpo_steps=3, grpo_warmup=1),
 }
+
+# --targets: only the targets' cells (TARGETS), rollout only. tau2 at 32 rows skips the re-encoding baseline
+# on CPU (32 re-encodes of ~9-13k tokens a turn: most of an hour on 2 cores) -- no target is stated against it.
+TARGET_ROLLOUT = {"toyworld": dict(cells=[dict(tasks=8, group=4, turns=8)]),
+                  "tau2": dict(cells=[dict(tasks=8, group=4, turns=8, hf=False)])}
 
 
 @dataclasses.dataclass
@@ -187,16 +210,18 @@ def n_params(model, embeddings=True):
 class Meter:
     """Forward hooks: positions fed (padding included), forward calls, and FLOPs (linears + dense attention)."""
 
-    def __init__(self, model):
+    def __init__(self, model, linears=True):
         c = model.config
         self.attn_per_qk = 4 * c.num_hidden_layers * c.num_attention_heads * getattr(
             c, "head_dim", c.hidden_size // c.num_attention_heads)
-        self.model, self.handles = model, []
+        self.model, self.handles, self.linears = model, [], linears
         self.reset()
 
     def reset(self):
         self.calls = self.positions = 0
         self.flops = 0.0
+        self.decode_steps = []   # (seconds, rows, key length, FLOPs) of each forward feeding one token per row
+        self._t0 = None
 
     def _top(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -209,6 +234,16 @@ class Meter:
         self.calls += 1
         self.positions += b * q
         self.flops += self.attn_per_qk * b * q * k
+        self._step = (b, k, self.flops) if q == 1 else None
+        sync(ids.device)
+        self._t0 = time.perf_counter()
+
+    def _top_done(self, module, args, kwargs, output):
+        if self._t0 is not None and self._step is not None:
+            sync(next(module.parameters()).device)
+            b, k, flops0 = self._step
+            self.decode_steps.append((time.perf_counter() - self._t0, b, k, self.flops - flops0))
+        self._t0 = None
 
     def _linear(self, module, args, output):
         x = args[0]
@@ -216,7 +251,8 @@ class Meter:
 
     def __enter__(self):
         self.handles.append(self.model.register_forward_pre_hook(self._top, with_kwargs=True))
-        for m in self.model.modules():
+        self.handles.append(self.model.register_forward_hook(self._top_done, with_kwargs=True))
+        for m in self.model.modules() if self.linears else ():
             if isinstance(m, torch.nn.Linear):
                 self.handles.append(m.register_forward_hook(self._linear))
         return self
@@ -225,6 +261,39 @@ class Meter:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class DecodeCompiled(torch.nn.Module):
+    """The model for Engine(...), with its decode forwards (one new token per row) run through
+    torch.compile(model.forward, mode=...); prefill and observation chunks stay eager. With
+    mode="reduce-overhead" on CUDA, inductor replays CUDA graphs; they are recorded per distinct shape (rows,
+    cache length), which the engine's growing cache changes at every step: the measured time includes every
+    recording a rollout needs. On CPU the same mode compiles inductor C++ code and has no graphs to replay.
+    dynamic=True: the rows and cache length are symbolic, so a rollout compiles a couple of graphs, not one per
+    step (checked in tests/test_speed.py with backend="eager")."""
+
+    def __init__(self, model, mode: str | None = "reduce-overhead", backend: str | None = None):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+        kw = {"backend": backend} if backend else {"mode": mode}
+        self.compiled = torch.compile(model.forward, dynamic=True, **kw)
+
+    def forward(self, input_ids=None, **kwargs):
+        fn = self.compiled if input_ids is not None and input_ids.shape[1] == 1 else self.inner
+        return fn(input_ids=input_ids, **kwargs)
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+
+def compile_counters() -> dict:
+    """What dynamo compiled so far (graphs, captured calls, graph breaks, recompiles), for the JSON."""
+    from torch._dynamo.utils import counters
+    return {k: dict(counters[k]) for k in ("stats", "graph_break", "recompiles", "inductor") if counters[k]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -367,6 +436,55 @@ def hf_per_turn(model, tok, engine, workload, group, ref, cfg, script_rows):
     return {"sampled_tokens": sampled, "turns_compared": compared, "turns_mismatched": mismatched}
 
 
+@torch.no_grad()
+def hf_row_cache(model, tok, engine, workload, group, ref, cfg, script_rows):
+    """What an informed HF user writes for ragged multi-turn rollouts: one `model.generate` call per row and
+    turn, each row keeping its own DynamicCache between turns. generate gets the row's full ids and its cache,
+    so only the tokens the cache lacks (the previous turn's last token, the scaffolding, the observation) are
+    prefilled. Each task's prompt is prefilled once and its cache copied to the group's rows (as the engine
+    does). Observation and scaffolding tokens come from `ref` (the engine's run); the generated ids are
+    compared with the engine's, as in hf_per_turn."""
+    import copy
+
+    from transformers import DynamicCache, LogitsProcessorList
+
+    device = next(model.parameters()).device
+    eos = tok.eos_token_id
+    prompts = [engine.prompt_ids(t) for t in workload.tasks]
+    n_rows = len(prompts) * group
+    seqs, caches = [], []
+    for p in prompts:   # task-major, like Engine.run
+        shared = DynamicCache()
+        if len(p) > 1:
+            model(input_ids=torch.tensor([p[:-1]], device=device), cache=shared, use_cache=True, logits_to_keep=1)
+        for g in range(group):
+            seqs.append(list(p))
+            caches.append(shared if g == group - 1 else copy.deepcopy(shared))
+    spans = [act_spans(ref, b) for b in range(n_rows)]
+    ref_ids = [ref.ids[b].tolist() for b in range(n_rows)]
+    script = workload.script(tok, 1, script_rows)   # every row runs the same script: row 0's, one row a call
+    sampled, mismatched, compared = 0, 0, 0
+    for t in range(max(len(s) for s in spans)):
+        for b in range(n_rows):
+            if t >= len(spans[b]):
+                continue
+            ids = torch.tensor([seqs[b]], device=device)
+            script.segment_no = {(0, "ACT"): t}
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=caches[b],
+                                 max_new_tokens=cfg.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=eos, logits_processor=LogitsProcessorList(
+                                     [ScriptProcessor(script, len(seqs[b]), eos)]))
+            new = out[0, len(seqs[b]):].tolist()
+            gen = new[:new.index(eos) + 1] if eos in new else new
+            span = spans[b][t]
+            compared += 1
+            mismatched += gen != ref_ids[b][span.start:span.end]
+            sampled += len(gen)
+            nxt = spans[b][t + 1].start if t + 1 < len(spans[b]) else span.end
+            seqs[b] += gen + ref_ids[b][span.end:nxt]
+    return {"sampled_tokens": sampled, "turns_compared": compared, "turns_mismatched": mismatched}
+
+
 def run_engine(model, tok, workload, group, turns, cfg, use_cache):
     engine = Engine(model, tok)
     n_rows = len(workload.tasks) * group
@@ -375,91 +493,294 @@ def run_engine(model, tok, workload, group, turns, cfg, use_cache):
                       steer=workload.script(tok, n_rows, turns))
 
 
-def measure(model, fn):
+@dataclasses.dataclass
+class Bound:
+    """The weight-streaming bound of a decode step: every weight is read once per forward, at the memory
+    bandwidth measured in this run. kv_per_token: the bytes of K and V of one cached position (all layers),
+    for the bound that also counts the cache every decode step reads."""
+    weight_bytes: int
+    kv_per_token: int
+    bandwidth: float       # bytes/s
+    flops_per_s: float | None = None   # measured matmul throughput, for the roofline (bytes or FLOPs, the larger)
+
+    def seconds(self, rows=0, keys=0, kv=False):
+        return (self.weight_bytes + (self.kv_per_token * rows * keys if kv else 0)) / self.bandwidth
+
+    def roofline(self, rows, keys, flops):
+        return max(self.seconds(rows, keys, kv=True), flops / self.flops_per_s if self.flops_per_s else 0.0)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one forward reads: every distinct parameter, except an input embedding that is not
+    also the LM head (only the fed rows of it are read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is None or head.weight.data_ptr() != emb.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elt = next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * elt
+
+
+def memory_bandwidth(device, dtype, mib=None, repeats=5) -> dict:
+    """Memory bandwidth measured here and now: the best of `repeats` sums (bytes read) and copies (bytes read +
+    written) of a tensor far larger than the caches (512 MiB on CPU, 4 GiB on GPU, unless `mib`). GB/s."""
+    mib = mib or (4096 if device.type == "cuda" else 512)
+    x = torch.rand(mib * 2**20 // torch.empty((), dtype=dtype).element_size(), device=device).to(dtype)
+    y = torch.empty_like(x)
+    n = x.numel() * x.element_size()
+    best = {"sum": float("inf"), "copy": float("inf")}
+    for _ in range(repeats + 1):   # the first round warms up
+        for kind, fn in (("sum", x.sum), ("copy", lambda: y.copy_(x))):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            best[kind] = min(best[kind], time.perf_counter() - t0)
+    read, copy = n / best["sum"] / 1e9, 2 * n / best["copy"] / 1e9
+    del x, y
+    return {"mib": mib, "read_gbs": read, "copy_gbs": copy, "gbs": max(read, copy)}
+
+
+def matmul_flops(device, dtype, n=None, repeats=3) -> float:
+    """Dense matmul throughput measured here and now (best of `repeats` n x n products), FLOP/s."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a, b = torch.rand(n, n, device=device).to(dtype), torch.rand(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):   # the first one warms up
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def decode_summary(steps, bound: Bound | None, flops_counted=True) -> dict:
+    """Pure decode steps (one new token per row): their time, and the weight-streaming bound as a fraction of
+    it (1.0 = the step takes no longer than reading the weights once at the measured bandwidth); _kv: the
+    weights and the KV cache the step reads; roofline: the larger of that and FLOPs / measured matmul FLOP/s
+    (on CPU a 32-row step is compute-, not bandwidth-bound)."""
+    if not steps:
+        return {"steps": 0}
+    seconds = sum(s[0] for s in steps)
+    out = {"steps": len(steps), "median_ms": 1e3 * statistics.median(s[0] for s in steps),
+           "mean_rows": sum(s[1] for s in steps) / len(steps), "seconds": seconds}
+    if bound is not None:
+        out["bound_fraction"] = len(steps) * bound.seconds() / seconds
+        out["bound_fraction_kv"] = sum(bound.seconds(b, k, kv=True) for _, b, k, _ in steps) / seconds
+        if flops_counted and bound.flops_per_s:
+            out["roofline_fraction"] = sum(bound.roofline(b, k, f) for _, b, k, f in steps) / seconds
+    return out
+
+
+def measure(model, fn, bound: Bound | None = None, linears=True):
     device = next(model.parameters()).device
     reset_peak(device)
-    with Meter(model) as meter:
+    with Meter(model, linears) as meter:
         sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
         result = fn()
         sync(device)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, "forward_calls": meter.calls, "positions": meter.positions,
-                    "tflops": meter.flops / 1e12, "peak_mib": peak_mib(device)}
+    return result, {"seconds": seconds, "cpu_seconds": cpu_seconds, "forward_calls": meter.calls,
+                    "positions": meter.positions, "tflops": meter.flops / 1e12 if linears else None,
+                    "peak_mib": peak_mib(device),
+                    "decode": decode_summary(meter.decode_steps, bound, linears)}
 
 
-def bench_rollout(model, tok, preset, log):
-    """Every workload of the preset; a workload whose benchmark package is missing is skipped with a note."""
+# The throughput targets: (workload, tasks, group, turns, baseline, ratio). Each is the engine's wall-time
+# speedup over a baseline in one cell of the same run.
+TARGETS = [("toyworld", 8, 4, 8, "hf", 3.0), ("toyworld", 8, 4, 8, "rowcache", 2.0),
+           ("tau2", 8, 4, 8, "rowcache", 2.0)]
+METHODS = {"hf": "HF generate re-encoding every turn", "rowcache": "HF generate per row reusing its cache",
+           "nocache": "the engine without a cache"}
+
+
+def rollout_cells(spec, tasks):
+    """A workload's cells: the turns x groups grid at the preset's task count, then the spec's extra cells
+    (dicts of tasks, group, turns, and hf=False to skip the re-encoding baseline)."""
+    nocache = set(map(tuple, spec.get("nocache", [])))
+    cells = [dict(tasks=tasks, group=g, turns=t, hf=True, nocache=(t, g) in nocache)
+             for g in spec.get("groups", []) for t in spec.get("turns", [])]
+    for extra in spec.get("cells", []):
+        cells.append(dict(dict(hf=True, nocache=False), **extra))
+    return cells
+
+
+def bench_rollout(model, tok, preset, log, info: dict | None = None, bandwidth: dict | None = None,
+                  compiled: DecodeCompiled | None = None):
+    """Every workload of the preset's cells (returned); a workload whose benchmark package is missing is
+    skipped with a note. `info` receives the bandwidth, the bound's byte counts and the targets' outcomes."""
     from bench import BenchUnavailable
+    device = next(model.parameters()).device
+    if bandwidth is None:
+        bandwidth = memory_bandwidth(device, next(model.parameters()).dtype, preset.get("bandwidth_mib"))
+    if "matmul_gflops" not in bandwidth:
+        bandwidth["matmul_gflops"] = matmul_flops(device, next(model.parameters()).dtype,
+                                                  preset.get("matmul_n")) / 1e9
+    bound = Bound(weight_bytes(model), kv_bytes_per_token(model), bandwidth["gbs"] * 1e9,
+                  bandwidth["matmul_gflops"] * 1e9)
+    log(f"memory bandwidth {bandwidth['gbs']:.1f} GB/s (sum {bandwidth['read_gbs']:.1f}, copy "
+        f"{bandwidth['copy_gbs']:.1f}, {bandwidth['mib']} MiB); weights read per forward "
+        f"{bound.weight_bytes / 2**20:.1f} MiB -> weight-streaming bound {1e3 * bound.seconds():.2f} ms a step; "
+        f"matmul {bandwidth['matmul_gflops']:.0f} GFLOP/s (for the roofline column)")
     cells = []
     for name, spec in preset["rollout"].items():
+        specs = rollout_cells(spec, preset["tasks"])
         try:
-            workload = WORKLOADS[name](preset["tasks"])
+            workload = WORKLOADS[name](max(c["tasks"] for c in specs))
         except BenchUnavailable as exc:
             log(f"workload {name} skipped: {exc}")
             continue
         log(f"\n{workload.about}")
         log(ROLLOUT_HEADER)
-        cells += bench_workload(model, tok, workload, spec, log)
+        cells += bench_workload(model, tok, workload, specs, bound, log, compiled)
+    if compiled is not None:
+        counters = compile_counters()
+        log(f"torch.compile counters: {counters}")
+        if info is not None:
+            info["compile_counters"] = counters
+    if info is not None:
+        info.update(bandwidth=bandwidth, weight_bytes=bound.weight_bytes, kv_bytes_per_token=bound.kv_per_token,
+                    targets=targets(cells, log))
     return cells
 
 
-def bench_workload(model, tok, workload, spec, log):
+def targets(cells, log):
+    """The targets' ratios, measured in this run: met or not met (missing where the cell was not run)."""
+    out = []
+    lines = []
+    for workload, n_tasks, group, turns, base, want in TARGETS:
+        cell = next((c for c in cells if (c["workload"], c["tasks"], c["group"], c["turns"]) ==
+                     (workload, n_tasks, group, turns) and base in c), None)
+        what = f"{workload} {n_tasks} tasks x G={group}, {turns} turns: engine / {METHODS[base]} >= {want:g}x"
+        if cell is None:
+            out.append({"target": what, "measured": None, "met": None})
+            lines.append(f"  {what}: not run in this preset")
+            continue
+        got = cell[f"speedup_vs_{base}"]
+        met = got >= want and cell[base]["identical_ids"]
+        out.append({"target": what, "measured": got, "met": met})
+        lines.append(f"  {what}: {got:.2f}x  {'met' if met else 'NOT MET'}")
+    if cells:
+        log("\ntargets (wall-time ratios of this run):")
+        for line in lines:
+            log(line)
+    return out
+
+
+def bench_workload(model, tok, workload, specs, bound, log, compiled: DecodeCompiled | None = None):
     cfg = SamplingConfig(greedy=True, max_new_tokens=max(48, workload.longest_turn(tok) + 8),
                          max_total_len=model.config.max_position_embeddings, seed=0)
     engine = Engine(model, tok)
-    run_engine(model, tok, workload, 2, 2, cfg, True)      # warm-up (first-call overheads)
+    warm = dataclasses.replace(workload, tasks=workload.tasks[:1])
+    run_engine(model, tok, warm, 2, 2, cfg, True)      # warm-up (first-call overheads)
+    compile_seconds = None
+    if compiled is not None:
+        # compiling, then (seen with inductor on CPU) a stretch of slow calls before the steady state: two warm-up
+        # runs, both timed; what is still new in a cell (CUDA graph recordings of unseen shapes) is paid there
+        compile_seconds = []
+        try:
+            for _ in range(2):
+                t0 = time.perf_counter()
+                run_engine(compiled, tok, warm, 2, 3, cfg, True)
+                compile_seconds.append(time.perf_counter() - t0)
+        except Exception as exc:   # on GPU keep the eager cells; on CPU a failure is a bug
+            if next(model.parameters()).device.type != "cuda":
+                raise
+            log(f"compiled decode failed, the cells run without it: {type(exc).__name__}: {exc}"[:2000])
+            compiled = None
+        if compile_seconds and compiled is not None:
+            log(f"(compiled decode: warm-up runs incl. compiling {' + '.join(f'{x:.1f}' for x in compile_seconds)} s)")
     cells = []
-    nocache = set(map(tuple, spec["nocache"]))
-    for group in spec["groups"]:
-        for turns in spec["turns"]:
-            ref, a = measure(model, lambda: run_engine(model, tok, workload, group, turns, cfg, True))
-            a["sampled_tokens"] = ref.stats["tokens_sampled"]
-            cell = {"workload": workload.name, "turns": turns, "group": group, "rows": len(workload.tasks) * group,
-                    "turns_done": min(len(act_spans(ref, b)) for b in range(len(ref.spans))),
-                    "end_reasons": sorted(set(ref.end_reasons)),
-                    "context_tokens": int(ref.lengths.float().mean()), "cached": a}
-            hf_out, b = measure(model, lambda: hf_per_turn(model, tok, engine, workload, group, ref, cfg, turns))
-            b.update(hf_out)
-            cell["hf"] = b
-            cell["identical_ids"] = hf_out["turns_mismatched"] == 0
-            if (turns, group) in nocache:
-                nc, c = measure(model, lambda: run_engine(model, tok, workload, group, turns, cfg, False))
-                c["sampled_tokens"] = nc.stats["tokens_sampled"]
-                c["identical_ids"] = bool(torch.equal(nc.ids, ref.ids))
-                cell["nocache"] = c
-            for k in ("cached", "hf", "nocache"):
-                if k in cell:
-                    cell[k]["tokens_per_s"] = cell[k]["sampled_tokens"] / cell[k]["seconds"]
-            cell["speedup_vs_hf"] = b["seconds"] / a["seconds"]
-            cell["cpu_speedup_vs_hf"] = b["cpu_seconds"] / a["cpu_seconds"]
-            cell["flops_ratio_hf"] = b["tflops"] / a["tflops"]
-            if "nocache" in cell:
-                cell["speedup_vs_nocache"] = cell["nocache"]["seconds"] / a["seconds"]
-                cell["cpu_speedup_vs_nocache"] = cell["nocache"]["cpu_seconds"] / a["cpu_seconds"]
-                cell["flops_ratio_nocache"] = cell["nocache"]["tflops"] / a["tflops"]
-            cells.append(cell)
-            log(rollout_row(cell))
+    for spec in specs:
+        group, turns = spec["group"], spec["turns"]
+        wl = dataclasses.replace(workload, tasks=workload.tasks[:spec["tasks"]])
+        ref, a = measure(model, lambda: run_engine(model, tok, wl, group, turns, cfg, True), bound)
+        a["sampled_tokens"] = ref.stats["tokens_sampled"]
+        cell = {"workload": workload.name, "tasks": len(wl.tasks), "turns": turns, "group": group,
+                "rows": len(wl.tasks) * group,
+                "turns_done": min(len(act_spans(ref, b)) for b in range(len(ref.spans))),
+                "end_reasons": sorted(set(ref.end_reasons)),
+                "context_tokens": int(ref.lengths.float().mean()), "cached": a}
+        baselines = [("hf", hf_per_turn)] if spec["hf"] else []
+        baselines.append(("rowcache", hf_row_cache))
+        for key, fn in baselines:
+            out, m = measure(model, lambda: fn(model, tok, engine, wl, group, ref, cfg, turns), bound)
+            m.update(out)
+            m["identical_ids"] = out["turns_mismatched"] == 0
+            cell[key] = m
+        if spec["nocache"]:
+            nc, c = measure(model, lambda: run_engine(model, tok, wl, group, turns, cfg, False), bound)
+            c["sampled_tokens"] = nc.stats["tokens_sampled"]
+            c["identical_ids"] = bool(torch.equal(nc.ids, ref.ids))
+            cell["nocache"] = c
+        for k in ("cached", *METHODS):
+            if k in cell:
+                cell[k]["tokens_per_s"] = cell[k]["sampled_tokens"] / cell[k]["seconds"]
+        for k in METHODS:
+            if k in cell:
+                cell[f"speedup_vs_{k}"] = cell[k]["seconds"] / a["seconds"]
+                cell[f"cpu_speedup_vs_{k}"] = cell[k]["cpu_seconds"] / a["cpu_seconds"]
+                cell[f"flops_ratio_{k}"] = cell[k]["tflops"] / a["tflops"]
+        cell["identical_ids"] = all(cell[k]["identical_ids"] for k in METHODS if k in cell)
+        if compiled is not None:   # the engine again, decode forwards compiled; FLOPs are not counted inside it
+            try:
+                co, m = measure(compiled, lambda: run_engine(compiled, tok, wl, group, turns, cfg, True), bound,
+                                linears=False)
+            except Exception as exc:   # on GPU keep the eager numbers (e.g. graphs out of memory)
+                if next(model.parameters()).device.type != "cuda":
+                    raise
+                cell["compiled_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                log(f"compiled decode failed in this cell: {cell['compiled_error']}")
+                torch.cuda.empty_cache()
+            else:
+                m.update(sampled_tokens=co.stats["tokens_sampled"], warmup_seconds=compile_seconds,
+                         identical_ids=bool(torch.equal(co.ids, ref.ids)))
+                m["tokens_per_s"] = m["sampled_tokens"] / m["seconds"]
+                cell["compiled"] = m
+                cell["compiled_speedup"] = a["seconds"] / m["seconds"]
+        cells.append(cell)
+        log(rollout_row(cell))
     return cells
 
 
-ROLLOUT_HEADER = (f"{'turns':>5} {'G':>3} {'ctx':>5} | {'tok/s cached':>12} {'hf':>7} {'nocache':>7} | "
-                  f"{'x hf wall/cpu':>13} {'x nc wall/cpu':>13} | {'TFLOP cached/hf/nc':>22} | "
-                  f"{'positions cached/hf/nc':>24} | same ids")
+ROLLOUT_HEADER = (f"{'tasks':>5} {'G':>3} {'turns':>5} {'ctx':>5} | {'tok/s cached':>12} {'hf':>7} {'row':>7} "
+                  f"{'nocache':>7} | {'x hf':>5} {'x row':>5} {'x nc':>5} | {'decode ms':>9} "
+                  f"{'bound w/w+kv/roof':>20} | "
+                  f"{'TFLOP cached/hf/row/nc':>26} | {'positions cached/hf/row/nc':>30} | same ids")
 
 
 def rollout_row(c):
-    nc = c.get("nocache")
-    nan = float("nan")
+    """One cell: tokens/s, the engine's wall-time speedups, its median decode step and the weight-streaming
+    bound's fraction of it (weights only / weights + the KV cache read / roofline), FLOPs, positions, id
+    checks."""
     g = lambda x: f"{x:.3g}"  # noqa: E731
-    xhf = f"{c['speedup_vs_hf']:.2f}/{c['cpu_speedup_vs_hf']:.2f}"
-    xnc = f"{c['speedup_vs_nocache']:.2f}/{c['cpu_speedup_vs_nocache']:.2f}" if nc else "-"
-    flops = "/".join([g(c["cached"]["tflops"]), g(c["hf"]["tflops"]), g(nc["tflops"]) if nc else "-"])
-    pos = "/".join([str(c["cached"]["positions"]), str(c["hf"]["positions"]), str(nc["positions"]) if nc else "-"])
-    same = f"hf:{'yes' if c['identical_ids'] else 'NO'}" + (f" nc:{'yes' if nc['identical_ids'] else 'NO'}" if nc else "")
-    return (f"{c['turns']:>5} {c['group']:>3} {c['context_tokens']:>5} | {c['cached']['tokens_per_s']:>12.1f} "
-            f"{c['hf']['tokens_per_s']:>7.1f} {nc['tokens_per_s'] if nc else nan:>7.1f} | {xhf:>13} {xnc:>13} | "
-            f"{flops:>22} | {pos:>24} | {same}")
+    has = [k for k in METHODS if k in c]
+    tps = " ".join(f"{c[k]['tokens_per_s']:>7.1f}" if k in c else f"{'-':>7}" for k in METHODS)
+    xs = " ".join(f"{c['speedup_vs_' + k]:>5.2f}" if k in c else f"{'-':>5}" for k in METHODS)
+    d = c["cached"]["decode"]
+    dec = (f"{d['median_ms']:>9.2f} {d['bound_fraction']:>6.3f}/{d['bound_fraction_kv']:.3f}/"
+           f"{d.get('roofline_fraction', float('nan')):<6.3f}"
+           if d.get("bound_fraction") is not None else f"{'-':>9} {'-':>20}")
+    flops = "/".join(g(c[k]["tflops"]) if k in c else "-" for k in ("cached", *METHODS))
+    pos = "/".join(str(c[k]["positions"]) if k in c else "-" for k in ("cached", *METHODS))
+    same = " ".join(f"{k}:{'yes' if c[k]['identical_ids'] else 'NO'}" for k in has)
+    row = (f"{c['tasks']:>5} {c['group']:>3} {c['turns']:>5} {c['context_tokens']:>5} | "
+           f"{c['cached']['tokens_per_s']:>12.1f} {tps} | {xs} | {dec} | {flops:>26} | {pos:>30} | {same}")
+    if "compiled" in c:
+        m, d = c["compiled"], c["compiled"]["decode"]
+        row += (f"\n{'':>21}compiled decode: {m['tokens_per_s']:.1f} tok/s, {c['compiled_speedup']:.2f}x the eager "
+                f"engine, decode {d.get('median_ms', float('nan')):.2f} ms, bound "
+                f"{d.get('bound_fraction', float('nan')):.3f}/{d.get('bound_fraction_kv', float('nan')):.3f}, "
+                f"same ids: {'yes' if m['identical_ids'] else 'NO'}")
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -723,12 +1044,25 @@ def summarize(result):
     """The headline numbers: the ratios the run exists for."""
     out = {}
     cells = result.get("rollout", [])
+    for k in METHODS:
+        for c in cells:
+            if f"speedup_vs_{k}" in c:
+                n = "" if c["tasks"] == 1 else f"_n{c['tasks']}"   # names of the one-task cells as before
+                out[f"rollout_speedup_vs_{k}_{c['workload']}{n}_t{c['turns']}_g{c['group']}"] = round(
+                    c[f"speedup_vs_{k}"], 3)
     for c in cells:
-        out[f"rollout_speedup_vs_hf_{c['workload']}_t{c['turns']}_g{c['group']}"] = round(c["speedup_vs_hf"], 3)
+        if c["cached"]["decode"].get("bound_fraction") is not None:
+            n = "" if c["tasks"] == 1 else f"_n{c['tasks']}"
+            out[f"decode_bound_fraction_{c['workload']}{n}_t{c['turns']}_g{c['group']}"] = round(
+                c["cached"]["decode"]["bound_fraction"], 4)
     for c in cells:
-        if "speedup_vs_nocache" in c:
-            out[f"rollout_speedup_vs_nocache_{c['workload']}_t{c['turns']}_g{c['group']}"] = round(
-                c["speedup_vs_nocache"], 3)
+        if "compiled_speedup" in c:
+            n = "" if c["tasks"] == 1 else f"_n{c['tasks']}"
+            out[f"compiled_decode_speedup_{c['workload']}{n}_t{c['turns']}_g{c['group']}"] = round(
+                c["compiled_speedup"], 3)
+    for t in result.get("rollout_bound", {}).get("targets", []):
+        out[f"target: {t['target']}"] = "not run" if t["met"] is None else \
+            f"{t['measured']:.2f}x {'met' if t['met'] else 'NOT MET'}"
     for c in result.get("logprob", []):
         if "memory_ratio" in c:
             out[f"logprob_memory_ratio_v{c['vocab']}_t{c['seq']}_chunk{c['chunk_size']}"] = round(c["memory_ratio"], 4)
@@ -745,9 +1079,17 @@ def main(argv=None):
                    help="a random-weight Qwen3 architecture instead of the tiny model (default qwen3-1.7b with --gpu)")
     p.add_argument("--attn", default=None, help="comma list of attention implementations "
                    "(default: sdpa on CPU; sdpa and flash_attention_2 if installed on GPU)")
-    p.add_argument("--parts", default="rollout,logprob,grpo", help="comma list of: rollout, logprob, grpo")
+    p.add_argument("--parts", default=None,
+                   help="comma list of: rollout, logprob, grpo (default: all three; rollout with --targets)")
+    p.add_argument("--targets", action="store_true",
+                   help="only the targets' rollout cells (toy world and tau2, 8 tasks x G=4, 8 turns) and their "
+                        "met / not met lines")
     p.add_argument("--workloads", default=None,
                    help=f"comma list of rollout workloads ({', '.join(WORKLOADS)}; default: the preset's)")
+    p.add_argument("--compile", nargs="?", const="reduce-overhead", default=None, metavar="MODE",
+                   help="also run the engine with its decode forwards through torch.compile(mode=MODE), default "
+                        "reduce-overhead (CUDA graphs; on CPU inductor C++ code without graphs, and minutes of "
+                        "compiling)")
     p.add_argument("--out", default="runs/speed/speed.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--smoke", action="store_true", help="the smallest run (the test suite's smoke test)")
@@ -772,10 +1114,22 @@ def main(argv=None):
         args.chunk_sizes = []
     if not args.chunk_sizes or min(args.chunk_sizes) <= 0:
         raise SystemExit(f"--chunk-sizes must be a comma list of positive integers, not {text!r}")
+    if args.parts is None:
+        args.parts = "rollout" if args.targets else "rollout,logprob,grpo"
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in ("rollout", "logprob", "grpo")]
     if bad:
         raise ValueError(f"unknown part(s) {bad}; choose from rollout, logprob, grpo")
+    if args.compile is not None:
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        if args.compile not in modes:
+            raise SystemExit(f"--compile takes a torch.compile mode ({', '.join(modes)}), not {args.compile!r}")
+        if "rollout" not in parts:
+            print("note: --compile compiles the rollout engine's decode forward; without the rollout part it does "
+                  "nothing", flush=True)
+        if not args.gpu and args.compile in ("reduce-overhead", "max-autotune"):
+            print(f"note: --compile {args.compile} on CPU: torch.compile has no CUDA graphs here, so this measures "
+                  "inductor's C++ code for the decode forward (compiling takes a minute or more)", flush=True)
     name = "gpu" if args.gpu else "smoke" if args.smoke else "quick" if args.quick else "default"
     preset = PRESETS[name]
     if args.gpu and not args.arch:
@@ -785,6 +1139,12 @@ def main(argv=None):
                                        "tau2": dict(turns=[4], groups=[8], nocache=[])},
                       logprob=[(QWEN3_VOCAB, 4096)],
                       grpo_steps=1, grpo_warmup=1)
+    if args.targets:
+        if args.smoke or args.quick:
+            raise SystemExit("--targets runs the targets' own cells; it does not combine with --smoke or --quick")
+        name += "+targets"
+        preset = dict(preset, rollout=TARGET_ROLLOUT if not args.gpu else
+                      {k: dict(cells=[dict(c, hf=True) for c in v["cells"]]) for k, v in TARGET_ROLLOUT.items()})
     if args.workloads is not None:
         chosen = [x for x in args.workloads.split(",") if x]
         bad = [x for x in chosen if x not in WORKLOADS]
@@ -854,8 +1214,13 @@ def main(argv=None):
                                 "vocab": model.config.vocab_size, "attn": attn}
                 log(f"\n== {model_name}: {n_params(model) / 1e6:.1f}M params, {attn}, {dtype}, {device}")
                 if "rollout" in parts:
-                    log("\n-- 1. multi-turn rollout: sampled tokens/s; x hf / x nc = cached speedup (wall time)")
-                    attempt("rollout", lambda: bench_rollout(model, tok, preset, log))
+                    log("\n-- 1. multi-turn rollout: sampled tokens/s; x hf / x row / x nc = the engine's speedup "
+                        "(wall time); decode ms = the engine's median decode step, bound = the weight-streaming "
+                        "bound / its decode time (weights only / + KV read / roofline: the larger of bytes and "
+                        "FLOPs at the measured matmul rate)")
+                    info = run["rollout_bound"] = {}
+                    compiled = DecodeCompiled(model, args.compile) if args.compile else None
+                    attempt("rollout", lambda: bench_rollout(model, tok, preset, log, info, compiled=compiled))
                 if "grpo" in parts:
                     log("\n-- 3. one GRPO step on toyworld (rehearsal rollout), median seconds per phase")
                     attempt("grpo", lambda: bench_grpo(model, tok, preset, setup, log))

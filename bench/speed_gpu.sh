@@ -7,6 +7,13 @@
 #   bash bench/speed_gpu.sh                      # qwen3-1.7b
 #   ARCH=qwen3-4b bash bench/speed_gpu.sh        # or qwen3-0.6b
 #   QUICK=1 bash bench/speed_gpu.sh              # about a minute: 1 and 4 turns, one log-prob cell
+#   COMPILE=0 bash bench/speed_gpu.sh            # without the compiled-decode variant (see below)
+#
+# Every rollout cell also runs the engine with its decode forwards through
+# torch.compile(mode="reduce-overhead") (CUDA graphs; speed.py --compile, speed.DecodeCompiled): same ids
+# checked, tokens/s, its speedup over the eager engine, its decode step against the weight-streaming bound.
+# COMPILE=<mode> picks another torch.compile mode. Two warm-up runs per workload pay the compiling; CUDA graphs
+# of shapes first seen in a cell are recorded (and timed) there.
 #   PYTHON=/path/to/python bash bench/speed_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +33,6 @@ except ImportError:
 PY
 extra=()
 if [ -n "${QUICK:-}" ]; then extra+=(--quick); fi
+COMPILE=${COMPILE:-reduce-overhead}
+if [ "$COMPILE" != "0" ]; then extra+=(--compile "$COMPILE"); fi
 "$PYTHON" bench/speed.py --gpu --arch "$ARCH" --out "$OUT" "${extra[@]}" "$@"

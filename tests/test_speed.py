@@ -1,10 +1,12 @@
 """Smoke test of bench/speed.py: the smallest configuration runs and its JSON has every field.
 
-Never asserts a time. It does assert what is deterministic: the three rollout methods sample the same token
-ids, the cached engine processes fewer positions and FLOPs than re-encoding, and the chunked log-probs equal
-the naive ones.
+Never asserts a time. It does assert what is deterministic: the four rollout methods (the engine, HF generate
+re-encoding every turn, HF generate per row reusing its cache, the engine without a cache) sample the same token
+ids, the cached engine processes fewer positions and FLOPs than re-encoding, the bandwidth and weight-streaming
+bound numbers are finite and positive, and the chunked log-probs equal the naive ones.
 """
 import json
+import math
 
 import pytest
 import torch
@@ -24,10 +26,12 @@ def test_rollout_fields_and_same_tokens(smoke):
     run = smoke["runs"]["sdpa"]
     assert run["model"]["vocab"] == speed.PRESETS["smoke"]["arch_vocab"]
     cells = run["rollout"]
-    assert [(c["workload"], c["turns"]) for c in cells] == [("toyworld", 1), ("toyworld", 2), ("tau2", 2)]
+    assert [(c["workload"], c["tasks"], c["turns"]) for c in cells] == [
+        ("toyworld", 1, 1), ("toyworld", 1, 2), ("toyworld", 2, 2), ("tau2", 1, 2)]
     for c in cells:
-        assert c["identical_ids"], "HF generate per turn did not reproduce the cached engine's token ids"
-        for method in ("cached", "hf"):
+        assert c["hf"]["identical_ids"], "HF generate per turn did not reproduce the cached engine's token ids"
+        assert c["identical_ids"]
+        for method in ("cached", "hf", "rowcache"):
             m = c[method]
             for key in ("seconds", "cpu_seconds", "tokens_per_s", "sampled_tokens", "positions", "tflops",
                         "forward_calls"):
@@ -42,7 +46,86 @@ def test_rollout_fields_and_same_tokens(smoke):
     assert nc and all(c["nocache"]["identical_ids"] for c in nc)
     assert all(c["nocache"]["positions"] > c["cached"]["positions"] for c in nc)
     assert "rollout_speedup_vs_hf_toyworld_t2_g2" in run["summary"]
+    assert "rollout_speedup_vs_rowcache_toyworld_n2_t2_g2" in run["summary"]
     assert "1. multi-turn rollout" in smoke["table"]
+
+
+def test_row_cache_baseline_same_ids_and_prefill(smoke):
+    """HF generate per row with the row's DynamicCache kept between turns reproduces the engine's ids in every
+    cell (several tasks, several turns, the long tau2 prompt), and prefills only what the cache lacks: at most
+    one position more a row and turn than the engine (generate feeds the last sampled token again; the engine's
+    count includes the padding of its ragged chunks), far fewer than re-encoding."""
+    for c in smoke["runs"]["sdpa"]["rollout"]:
+        r = c["rowcache"]
+        assert r["identical_ids"] and r["turns_mismatched"] == 0
+        assert r["turns_compared"] == c["rows"] * c["turns"]
+        assert r["sampled_tokens"] == c["cached"]["sampled_tokens"]
+        assert r["positions"] <= c["cached"]["positions"] + c["rows"] * c["turns"]
+        assert r["positions"] < c["hf"]["positions"]
+        assert c["speedup_vs_rowcache"] > 0
+
+
+def test_bandwidth_and_bound_are_finite_and_positive(smoke):
+    run = smoke["runs"]["sdpa"]
+    b = run["rollout_bound"]
+    for key in ("read_gbs", "copy_gbs", "gbs", "matmul_gflops"):
+        assert math.isfinite(b["bandwidth"][key]) and b["bandwidth"][key] > 0
+    assert b["weight_bytes"] > 0 and b["kv_bytes_per_token"] > 0
+    for c in run["rollout"]:
+        for method in ("cached", "rowcache"):
+            d = c[method]["decode"]
+            assert d["steps"] > 0 and d["median_ms"] > 0
+            for key in ("bound_fraction", "bound_fraction_kv", "roofline_fraction"):
+                assert math.isfinite(d[key]) and d[key] > 0
+            assert d["roofline_fraction"] >= d["bound_fraction_kv"] > d["bound_fraction"]
+    # the targets are listed; the smoke preset does not run their cells
+    assert [t["met"] for t in b["targets"]] == [None, None, None]
+    assert "targets (wall-time ratios of this run)" in smoke["table"]
+
+
+def test_bound_arithmetic():
+    bound = speed.Bound(weight_bytes=4_000_000, kv_per_token=1000, bandwidth=1e9)
+    assert bound.seconds() == pytest.approx(4e-3)
+    assert bound.seconds(rows=2, keys=500, kv=True) == pytest.approx(5e-3)
+    bound.flops_per_s = 1e12
+    d = speed.decode_summary([(8e-3, 2, 500, 1e9), (8e-3, 2, 500, 7e9)], bound)
+    assert d["bound_fraction"] == pytest.approx(0.5) and d["bound_fraction_kv"] == pytest.approx(5 / 8)
+    assert d["roofline_fraction"] == pytest.approx((5e-3 + 7e-3) / 16e-3)
+    bw = speed.memory_bandwidth(torch.device("cpu"), torch.float32, mib=8, repeats=2)
+    assert all(math.isfinite(bw[k]) and bw[k] > 0 for k in ("read_gbs", "copy_gbs", "gbs"))
+    flops = speed.matmul_flops(torch.device("cpu"), torch.float32, n=128, repeats=2)
+    assert math.isfinite(flops) and flops > 0
+
+
+def test_compiled_decode_wrapper_same_ids():
+    """--compile's wrapper: decode forwards go through torch.compile (backend "eager" here: dynamo traces the
+    engine's decode forward and its preallocated cache without inductor), prefill stays eager, the ids do not
+    change, and the dynamic shapes compile a couple of graphs for a whole rollout, not one per step."""
+    import policy
+    from torch._dynamo.utils import counters
+
+    setup = speed.Setup(torch.device("cpu"), torch.float32, "sdpa")
+    tok = policy.build_tokenizer(speed.QUICK_MODEL)
+    model = speed.build_arch_model("qwen3-test", tok, setup, vocab_size=8192)
+    workload = speed.toyworld_workload(1)
+    cfg = speed.SamplingConfig(greedy=True, max_new_tokens=48, max_total_len=4096, seed=0)
+    ref = speed.run_engine(model, tok, workload, 2, 2, cfg, True)
+    torch._dynamo.reset()
+    counters.clear()
+    wrapped = speed.DecodeCompiled(model, backend="eager")
+    got = speed.run_engine(wrapped, tok, workload, 2, 2, cfg, True)
+    assert torch.equal(got.ids, ref.ids)
+    assert torch.equal(got.logprobs, ref.logprobs)
+    assert 0 < counters["stats"]["unique_graphs"] <= 3
+    assert not counters["graph_break"]
+    assert speed.weight_bytes(wrapped) == speed.weight_bytes(model)
+
+
+def test_bad_compile_mode_and_targets_combination_are_clear_errors(tmp_path):
+    with pytest.raises(SystemExit, match="torch.compile mode"):
+        speed.main(["--smoke", "--compile", "bogus", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="does not combine with --smoke"):
+        speed.main(["--smoke", "--targets", "--out", str(tmp_path / "x.json")])
 
 
 def test_tau2_workload_is_real_and_long(smoke):
