@@ -1,5 +1,5 @@
 """Test-time private rehearsal: budget 0 is plain acting, rehearsals stay private, budgets hold, the KV cache
-is forked and cropped exactly, and the world-model fidelity comparison."""
+is forked exactly (branches are child rows of the committed row), and the world-model fidelity comparison."""
 import json
 
 import pytest
@@ -130,8 +130,9 @@ def test_budget_bounds_private_rehearsals(eng, micro64, mode, budget):
 
 
 def test_crop_and_refeed_leave_an_exact_cache(eng, micro64):
-    """After memory-conditioned commits the cache is cropped and the committed turn re-fed; a later turn
-    sampled from that cache must have the log-probs of a full forward pass over the committed tokens."""
+    """After memory-conditioned commits (sampled on a child row) the committed turn is fed to the committed
+    row; a later turn sampled from that cache must have the log-probs of a full forward pass over the
+    committed tokens."""
     model, tok = micro64
     private = [PING, ASSESS, ANSWER]
     script = Script(tok, {0: [LOOKUP], 1: private, 2: private}, {1: [SECRET], 2: [SECRET]})
