@@ -327,31 +327,59 @@ class Row:
             self.traj.end_reason = reason
 
 
-class KVBatch:
-    """The rows being generated and their KV cache, with its attention mask (holes where ragged rows were
-    padded) and each row's latest next-token logits. Rows leave (`select`), fork (a row index repeated) and
-    join (`admit`: prefilled apart, one prefill per distinct prompt, then appended to the batch)."""
+class Lane:
+    """One model's view of a batch: its KV cache, attention mask and each row's latest next-token logits."""
 
-    def __init__(self, model, pad_id: int, use_cache: bool = True):
-        self.model, self.pad_id, self.use_cache = model, pad_id, use_cache
+    def __init__(self, model, use_cache: bool):
+        self.model = model
         self.device = next(model.parameters()).device
-        self.rows: list[Row] = []
         self.cache = new_kv_cache() if use_cache else None
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.logits: torch.Tensor | None = None
+
+
+class KVBatch:
+    """The rows being generated and their KV cache, with its attention mask (holes where ragged rows were
+    padded) and each row's latest next-token logits. Rows leave (`select`), fork (a row index repeated) and
+    join (`admit`: prefilled apart, one prefill per distinct prompt, then appended to the batch).
+
+    With a world model (another model writing the WORLD segments: a frozen simulator or a separately trained
+    world model), each model keeps its own cache of the same token sequence in a lane of its own: every
+    token is fed to both, so each reads what the other wrote."""
+
+    def __init__(self, model, pad_id: int, use_cache: bool = True, world_model=None):
+        self.pad_id, self.use_cache = pad_id, use_cache
+        self.device = next(model.parameters()).device
+        self.rows: list[Row] = []
+        self.lanes = [Lane(model, use_cache)] + ([Lane(world_model, use_cache)] if world_model is not None else [])
         self.forward_calls = self.tokens_fed = 0
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        return self.lanes[0].logits
+
+    def logits_for(self, j: list[int], roles: list[Role]) -> torch.Tensor:
+        """Next-token logits of rows j, each from the model that writes its segment's role."""
+        out = self.lanes[0].logits[j]
+        if len(self.lanes) > 1:
+            world = [k for k, role in enumerate(roles) if role == Role.WORLD]
+            if world:
+                out = out.clone()
+                out[world] = self.lanes[1].logits[[j[k] for k in world]].to(out.dtype)
+        return out
 
     def select(self, slots: list[int]):
         """Keep, reorder or repeat rows: row j of the result is row slots[j] (repeating one forks its cache)."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        if self.use_cache and self.mask.shape[0]:
-            self.cache.batch_select_indices(idx)
-            self.mask = self.mask[idx]
-        if self.logits is not None:
-            self.logits = self.logits[idx]
+        for lane in self.lanes:
+            if self.use_cache and lane.mask.shape[0]:
+                lane.cache.batch_select_indices(idx)
+                lane.mask = lane.mask[idx]
+            if lane.logits is not None:
+                lane.logits = lane.logits[idx]
 
-    def _forward(self, ids, mask, pos, cache):
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask, position_ids=pos.to(self.device),
+    def _forward(self, lane: Lane, ids, mask, pos, cache):
+        out = lane.model(input_ids=ids.to(lane.device), attention_mask=mask, position_ids=pos.to(lane.device),
                          cache=cache, use_cache=True, logits_to_keep=1)
         self.forward_calls += 1
         return out.logits[:, -1].float()
@@ -362,8 +390,9 @@ class KVBatch:
             return
         if not self.use_cache:                 # the reference path re-encodes everything at the next feed
             self.rows += rows
-            if self.logits is not None:
-                self.logits = torch.cat([self.logits, self.logits.new_zeros((len(rows), self.logits.shape[-1]))])
+            for lane in self.lanes:
+                if lane.logits is not None:
+                    lane.logits = torch.cat([lane.logits, lane.logits.new_zeros((len(rows), lane.logits.shape[-1]))])
             return
         prompts: dict[tuple, int] = {}
         for r in rows:
@@ -371,31 +400,34 @@ class KVBatch:
                 prompts[tuple(r.ids)] = len(prompts)
                 r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(r.ids)
         ids, mask, pos = ragged_chunk([list(p) for p in prompts], [0] * len(prompts), self.pad_id)
-        cache = new_kv_cache()
-        mask = mask.to(self.device)
-        logits = self._forward(ids, mask, pos, cache)
-        self.tokens_fed += int(mask.sum())
         pick = torch.tensor([prompts[tuple(r.ids)] for r in rows], device=self.device)
-        cache.batch_select_indices(pick)
+        for lane in self.lanes:
+            cache = new_kv_cache()
+            lane_mask = mask.to(lane.device)
+            logits = self._forward(lane, ids, lane_mask, pos, cache)
+            cache.batch_select_indices(pick.to(lane.device))
+            self._append_cache(lane, cache, lane_mask[pick])
+            lane.logits = logits[pick] if lane.logits is None else torch.cat([lane.logits, logits[pick]])
+        self.tokens_fed += int(mask.sum())
         for r in rows:
             r.n_cached = len(r.ids)
-        self._append_cache(cache, mask[pick])
         self.rows += rows
-        self.logits = logits[pick] if self.logits is None else torch.cat([self.logits, logits[pick]])
 
-    def _append_cache(self, cache, mask):
+    @staticmethod
+    def _append_cache(lane: Lane, cache, mask):
         """Append another batch's cache (rows below ours), left-padding the shorter side with masked columns."""
-        if self.mask.shape[0] == 0:
-            self.cache, self.mask = cache, mask
+        if lane.mask.shape[0] == 0:
+            lane.cache, lane.mask = cache, mask
             return
-        width = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
+        width = max(lane.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(lane.cache.layers, cache.layers):
             mine.batch_extend(theirs, width)
         pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)  # noqa: E731
-        self.mask = torch.cat([pad(self.mask), pad(mask)])
+        lane.mask = torch.cat([pad(lane.mask), pad(mask)])
 
     def feed(self):
-        """Feed every row's uncached tokens in one forward (rows with none are padded); update their logits."""
+        """Feed every row's uncached tokens in one forward per model (rows with none are padded); update the
+        logits of the rows fed."""
         fed = [j for j, r in enumerate(self.rows) if r.feed]
         if not fed:
             return
@@ -406,30 +438,30 @@ class KVBatch:
             for k, j in enumerate(fed):
                 ids[k, :len(self.rows[j].ids)] = torch.tensor(self.rows[j].ids)
                 mask[k, :len(self.rows[j].ids)] = 1
-            all_logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            last = torch.tensor([len(self.rows[j].ids) - 1 for j in fed], device=self.device)
-            logits = all_logits[torch.arange(len(fed), device=self.device), last].float()
-            self.forward_calls += 1
+            last = torch.tensor([len(self.rows[j].ids) - 1 for j in fed])
+            for lane in self.lanes:
+                all_logits = lane.model(input_ids=ids.to(lane.device), attention_mask=mask.to(lane.device)).logits
+                self._set_logits(lane, fed, all_logits[torch.arange(len(fed)), last.to(lane.device)].float())
+                self.forward_calls += 1
             for j in fed:
                 self.tokens_fed += len(self.rows[j].ids)
-            self._set_logits(fed, logits)
-            for j in fed:
                 self.rows[j].n_cached = len(self.rows[j].ids)
             return
         feeds = [r.feed for r in self.rows]
         ids, chunk_mask, pos = ragged_chunk(feeds, [r.n_cached for r in self.rows], self.pad_id)
-        self.mask = torch.cat([self.mask, chunk_mask.to(self.device)], dim=1)
-        logits = self._forward(ids, self.mask, pos, self.cache)
+        for lane in self.lanes:
+            lane.mask = torch.cat([lane.mask, chunk_mask.to(lane.device)], dim=1)
+            logits = self._forward(lane, ids, lane.mask, pos, lane.cache)
+            self._set_logits(lane, fed, logits[fed])
         for r, f in zip(self.rows, feeds):
             self.tokens_fed += len(f)
             r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(f)
             r.n_cached = len(r.ids)
-        self._set_logits(fed, logits[fed])
 
-    def _set_logits(self, rows: list[int], logits):
-        if self.logits is None or self.logits.shape[-1] != logits.shape[-1]:
-            self.logits = torch.zeros((len(self.rows), logits.shape[-1]), device=self.device)
-        self.logits[rows] = logits
+    def _set_logits(self, lane: Lane, rows: list[int], logits):
+        if lane.logits is None or lane.logits.shape[-1] != logits.shape[-1]:
+            lane.logits = torch.zeros((len(self.rows), logits.shape[-1]), device=logits.device)
+        lane.logits[rows] = logits
 
 
 class Engine:
@@ -612,7 +644,7 @@ class Engine:
             ready = [r for r in batch.rows if r.ready]
             if ready:
                 j_ready = [j for j, r in enumerate(batch.rows) if r.ready]
-                logits = batch.logits[j_ready]
+                logits = batch.logits_for(j_ready, [r.gen.role for r in ready])
                 steered = None if steer is None else steer(
                     [r.stream for r in ready], [(r.gen.role, r.ids[r.gen_start:]) for r in ready], logits.clone())
                 for k, r in enumerate(ready):
@@ -719,7 +751,7 @@ class Engine:
     @torch.no_grad()  # not inference_mode: the returned tensors feed the trainer's autograd
     def run(self, tasks: list[Task], group_size: int = 1, cfg: SamplingConfig | None = None,
             make_env: Callable[[Task], object] | None = None, responses: str | ResponseSwitch = "rehearse",
-            use_cache: bool = True, steer: Steer | None = None, progress=None) -> Rollout:
+            use_cache: bool = True, steer: Steer | None = None, progress=None, world_model=None) -> Rollout:
         """Roll out `group_size` trajectories per task.
 
         responses: "rehearse" (the policy writes every tool response), "real" (the environment executes every
@@ -730,6 +762,9 @@ class Engine:
         tests); `segments` holds each row's (role, ids generated so far in this segment). The recorded
         log-probs stay those of the model's own distribution. Row i samples with its own generator seeded
         from (cfg.seed, i), so a row's tokens do not depend on which rows share its batch.
+        world_model: another model writes the WORLD segments (a frozen simulator, or a world model trained
+        apart); it keeps its own cache of the same sequence, and each token's log-prob is recorded from the
+        model that sampled it.
         """
         cfg = cfg or SamplingConfig()
         if responses == "rehearse":
@@ -753,7 +788,7 @@ class Engine:
                 rows.append(row)
         for r in rows:
             self.advance(r)
-        batch = KVBatch(self.model, self.tok.pad_token_id, use_cache)
+        batch = KVBatch(self.model, self.tok.pad_token_id, use_cache, world_model)
         queue = deque(rows)
         self.decode(batch, cfg, rehearse, steer, admit=lambda n: [queue.popleft() for _ in range(len(queue))],
                     progress=progress)

@@ -245,3 +245,33 @@ def test_preallocated_kv_cache_matches_dynamic_cache_through_every_operation():
     feed(1, 2)
     same(ours, ref)
     same(plain, plain_ref)
+
+
+def test_a_world_model_writes_the_world_segments_from_its_own_cache(micro64):
+    """Another model writes WORLD tokens (a frozen simulator or a world model trained apart): every token's
+    recorded log-prob equals a full forward of the model that sampled it, ACT tokens the policy's, WORLD
+    tokens the world model's; with the policy itself as world model the rollout is unchanged."""
+    import copy as copy_module
+    model, tok = micro64
+    other = copy_module.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    eng = Engine(model, tok)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=48, max_world_tokens=12, max_turns=3, seed=3)
+    acts = {r: [LOOKUP, ANSWER] for r in range(4)}          # calls forced; the world segments are sampled freely
+    plain = eng.run(tasks(2), 2, cfg, steer=Script(tok, acts))
+    same = eng.run(tasks(2), 2, cfg, steer=Script(tok, acts), world_model=model)
+    assert torch.equal(plain.ids, same.ids) and torch.allclose(plain.logprobs, same.logprobs, atol=1e-9)
+    out = eng.run(tasks(2), 2, cfg, steer=Script(tok, acts), world_model=other)
+    assert not torch.equal(out.ids, plain.ids)
+    assert (out.roles == Role.WORLD).any() and (out.roles == Role.ACT).any()
+    for b in range(out.ids.shape[0]):
+        n = int(out.lengths[b])
+        ids = out.ids[b:b + 1, :n]
+        for role, m in ((Role.ACT, model), (Role.WORLD, other)):
+            with torch.no_grad():
+                logp = torch.log_softmax(m(input_ids=ids).logits[0, :-1].double(), -1)
+            pos = torch.nonzero(out.roles[b, 1:n] == role).flatten()
+            want = logp[pos, ids[0, pos + 1]]
+            assert torch.allclose(out.logprobs[b, pos + 1].double(), want, atol=1e-6), (b, role)
