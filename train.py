@@ -216,6 +216,8 @@ class TrainConfig:
     sft_lr: float = 5e-3
     sft_warmup: int = 30             # linear ramp of sft_lr over the first steps
     sft_rehearsal_frac: float = -1.0  # share of warm-start sequences teaching the test-time rehearsal format
+    sft_world_frac: float = 0.0      # share of warm-start sequences that are world examples (toy world only)
+    sft_world_skip: str = ""         # comma list of tools whose responses get no warm-start loss (mechanism test)
     beta2: float = 0.95              # AdamW beta2 (0.95: the usual LM choice; tiny-model SFT learns ~2x faster)
     sft_roles: str = "act,world"
     seed: int = 0
@@ -269,8 +271,16 @@ def parse_task_opts(text: str) -> dict:
     return out
 
 
+def parse_tool_names(text: str) -> frozenset:
+    """'get_price,buy' -> frozenset of names ("" -> empty)."""
+    names = [t.strip() for t in text.split(",")]
+    if text.strip() and not all(names):
+        raise ConfigError(f"--sft-world-skip takes a comma list of tool names, got {text!r}")
+    return frozenset(n for n in names if n)
+
+
 def validate(cfg: TrainConfig):
-    from bench import BENCHES
+    from bench import BENCHES, load_bench
     if cfg.bench not in BENCHES:
         raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
     if cfg.env not in ("rehearse", "real"):
@@ -298,6 +308,12 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-warmup must be >= 0, got {cfg.sft_warmup}")
     if cfg.sft_rehearsal_frac != -1.0 and not 0 <= cfg.sft_rehearsal_frac <= 1:
         raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1] (or -1: auto), got {cfg.sft_rehearsal_frac}")
+    if not 0 <= cfg.sft_world_frac <= 1:   # also refuses nan
+        raise ConfigError(f"--sft-world-frac must be in [0, 1], got {cfg.sft_world_frac}")
+    if cfg.sft_world_frac > 0 and not hasattr(load_bench(cfg.bench), "world_examples"):
+        raise ConfigError(f"--sft-world-frac needs a benchmark that generates world examples (toyworld); "
+                          f"{cfg.bench!r} has none")
+    parse_tool_names(cfg.sft_world_skip)
     if cfg.keep_checkpoints < 0:
         raise ConfigError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints}")
     for name in ("kl_coef", "dual_clip", "defect_penalty", "weight_decay", "act_weight", "world_weight"):
@@ -466,17 +482,62 @@ def optimizer_step(model, optimizer, grad_clip: float) -> tuple[float, bool]:
     return norm, True
 
 
-def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random):
-    """(ids, roles) of one warm-start sequence: the reference chat, or with probability rehearsal_frac one of
-    rehearse.warm_start_examples (an assessment or a memory-prefixed turn) built from it."""
+WORLD_EXAMPLE_MAX_CALLS = 4   # the reference chats of the toy world hold 1-4 calls
+
+
+def world_response_tools(engine, task, ids: list[int], roles: list[int]) -> list[tuple[int, int, str | None]]:
+    """(start, end, tool name) of each WORLD stretch of a sequence: the k-th stretch after an assistant turn
+    answers that turn's k-th call, parsed from the turn's own tokens (None for a malformed call). Works on
+    every warm-start layout (reference chats, rehearsal-format examples, world examples)."""
+    spans, names, k, start = [], [], 0, 0
+    for pos in range(1, len(roles) + 1):
+        if pos < len(roles) and roles[pos] == roles[start]:
+            continue
+        role = roles[start]
+        if role == Role.ACT:
+            body = [t for t in ids[start:pos] if t != engine.fmt.eos_id]
+            parsed = engine.fmt.parse(engine.tok.decode(body, skip_special_tokens=False), task.tools)
+            names, k = [getattr(item, "name", None) for item in parsed.items], 0
+        elif role == Role.WORLD:
+            spans.append((start, pos, names[k] if k < len(names) else None))
+            k += 1
+        start = pos
+    return spans
+
+
+def without_world_loss(engine, task, ids: list[int], roles: list[int], tools: frozenset) -> list[int]:
+    """roles with the WORLD tokens of responses to `tools` turned into PROMPT: no loss on them, while the
+    calls that lead to them (ACT) are still trained."""
+    roles = list(roles)
+    for start, end, name in world_response_tools(engine, task, ids, roles):
+        if name in tools:
+            roles[start:end] = [int(Role.PROMPT)] * (end - start)
+    return roles
+
+
+def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random, world_frac: float = 0.0,
+                 world_skip: frozenset = frozenset()):
+    """(ids, roles) of one warm-start sequence: with probability world_frac a world example
+    (bench.world_examples: random valid and invalid calls with their real responses), else the reference
+    chat, or with probability rehearsal_frac one of rehearse.warm_start_examples (an assessment or a
+    memory-prefixed turn) built from it. Responses of the tools in world_skip carry no loss."""
     import rehearse
     import rollout
-    messages = bench.reference_trajectory(task)
-    if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
-        examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng)
-        if examples:
-            return rng.choice(examples)
-    return rollout.encode_conversation(engine, task, messages)
+    seq, world_example = None, world_frac > 0 and rng.random() < world_frac
+    if world_example:
+        messages = bench.world_examples(task, rng, rng.randint(1, WORLD_EXAMPLE_MAX_CALLS))
+    else:
+        messages = bench.reference_trajectory(task)
+        if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
+            examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng)
+            if examples:
+                seq = rng.choice(examples)
+    ids, roles = seq if seq is not None else rollout.encode_conversation(engine, task, messages)
+    if world_skip:
+        roles = without_world_loss(engine, task, ids, roles, world_skip)
+    if world_example:   # the random calls are not behaviour to imitate: only their responses (WORLD) train
+        roles = [int(Role.PROMPT) if r == Role.ACT else r for r in roles]
+    return ids, roles
 
 
 def sft_loss(model, seqs: list[tuple[list[int], list[int]]], train_roles, d: Dist, pad_id: int, chunk_size: int):
@@ -644,6 +705,11 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts))
     if not tasks:
         raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
+    world_skip = parse_tool_names(cfg.sft_world_skip)
+    known_tools = {t["function"]["name"] for task in tasks[:200] for t in task.tools}
+    if world_skip - known_tools:
+        raise ConfigError(f"--sft-world-skip names no tool of {cfg.bench!r}: {', '.join(sorted(world_skip - known_tools))}"
+                          f"; its tools include: {', '.join(sorted(known_tools)[:20])}")
     model, tok = policy.load_policy(str(ckpt) if ckpt else cfg.model, dtype=torch.float32, device=d.device)
     engine = rollout.Engine(model, tok)   # derives the template's scaffolding (fails early if unusable)
     model = shard(model, d)
@@ -699,7 +765,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             for g in optimizer.param_groups:
                 g["lr"] = cfg.sft_lr * min(1.0, (step + 1) / max(cfg.sft_warmup, 1))
             batch_tasks = pick.sample(tasks, min(cfg.sft_batch, len(tasks)))[d.rank::d.world]
-            seqs = [sft_sequence(engine, bench, t, cfg.sft_rehearsal_frac, pick) for t in batch_tasks]
+            seqs = [sft_sequence(engine, bench, t, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac, world_skip)
+                    for t in batch_tasks]
             model.train()
             loss, n_tok = sft_loss(model, seqs, sft_roles, d, tok.pad_token_id, cfg.chunk_size)
             norm, ok = optimizer_step(model, optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)

@@ -389,3 +389,33 @@ def test_determinism_across_processes():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                                 text=True, check=True).stdout)
     assert len(outs) == 1
+
+
+# ----------------------------------------------------------------------------- world examples (warm start)
+
+def test_world_examples_replay_on_the_env_and_cover_valid_and_invalid_calls(train):
+    errors, valid_by_tool = set(), set()
+    for i, task in enumerate(train[:300]):
+        msgs = tw.world_examples(task, random.Random(i), 4)
+        assert msgs[:len(task.messages)] == task.messages
+        turns = msgs[len(task.messages):]
+        assert [m["role"] for m in turns] == ["assistant", "tool"] * 4
+        env = tw.make_env(task)   # replay on a fresh env: every response is the real one, in order
+        for call_msg, tool_msg in zip(turns[::2], turns[1::2]):
+            (tc,) = call_msg["tool_calls"]
+            name, args = tc["function"]["name"], tc["function"]["arguments"]
+            # the tool-call parser would accept it: a known tool with its required arguments
+            assert name in tw._SIGNATURES and set(tw._SIGNATURES[name]) <= set(args)
+            assert tool_msg["content"] == env.step(name, args)
+            obs = json.loads(tool_msg["content"])
+            if "error" in obs:
+                errors.add(obs["error"].split(":")[0])
+            else:
+                valid_by_tool.add(name)
+        assert msgs == tw.world_examples(task, random.Random(i), 4)   # seeded
+    assert valid_by_tool == set(tw._SIGNATURES)
+    assert errors >= {"unknown account", "unknown item", "amount must be a positive integer",
+                      "qty must be a positive integer", "insufficient funds", "not enough stock", "same account",
+                      "unexpected argument", "account must be a string"}
+    with pytest.raises(ValueError, match="n >= 1"):
+        tw.world_examples(train[0], random.Random(0), 0)
