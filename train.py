@@ -210,6 +210,7 @@ class TrainConfig:
     per_role_adv: bool = False
     act_weight: float = 1.0
     world_weight: float = 1.0
+    reward: str = "success"          # success (binary task score) | checklist (fraction of rule-based items met)
     defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
     sft_steps: int = -1              # supervised warm start on reference trajectories; -1: SFT_TINY_STEPS for tiny
     sft_batch: int = 16
@@ -285,6 +286,12 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
     if cfg.env not in ("rehearse", "real"):
         raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
+    import reward
+    if cfg.reward not in reward.REWARD_KINDS:
+        raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)}, not {cfg.reward!r}")
+    if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
+        raise ConfigError(f"--reward checklist: benchmark {cfg.bench!r} has no rule-based checklist (toyworld, "
+                          "tau2 and bfcl do); use --reward success")
     parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
     if cfg.steps < 0:
         raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
@@ -398,6 +405,20 @@ def all_sum(values: list[float], d: Dist) -> list[float]:
         import torch.distributed as dist
         dist.all_reduce(t)
     return t.tolist()
+
+
+def gather_sums(sums: dict[str, list[float]], d: Dist) -> dict[str, list[float]]:
+    """Per-key lists of sums added over ranks (keys may differ between ranks)."""
+    if d.world == 1:
+        return sums
+    import torch.distributed as dist
+    parts = [None] * d.world
+    dist.all_gather_object(parts, sums)
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for key, vals in part.items():
+            out[key] = [a + b for a, b in zip(out.get(key, [0.0] * len(vals)), vals)]
+    return out
 
 
 def autocast(d: Dist):
@@ -789,9 +810,14 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                                     make_env=make_env, world=cfg.env)
             t_rollout = time.perf_counter() - t0
             t0 = time.perf_counter()
-            scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty)
+            scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty,
+                                               cfg.reward)
                       for ti, tr, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
             t_reward = time.perf_counter() - t0
+            # verifier-side world-model fidelity per tool (replays the calls; nothing reaches the policy)
+            fid_sums = reward.fidelity_sums(pair for ti, tr in zip(ro.task_index, ro.trajectories)
+                                            for pair in reward.rehearsal_fidelity(cfg.bench, batch_tasks[ti], tr))
+            t_fidelity = time.perf_counter() - t0 - t_reward
             rewards = torch.tensor([s.reward for s in scores])
             groups = torch.tensor([d.rank * 100_000 + i for i in ro.task_index])
             adv, flat = role_advantages(rewards, groups, ro.roles, train_roles, cfg.scale_std, cfg.per_role_adv)
@@ -827,7 +853,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             sums = all_sum([float(rewards.sum()), float(sum(succ)), n_rows, flat, ro.stats["act_tokens"],
                             ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects),
                             ro.stats["tokens_sampled"],
-                            sum(bool(s.components.get("evaluator_error")) for s in scores)], d)
+                            sum(bool(s.components.get("evaluator_error")) for s in scores),
+                            len(set(ro.task_index))], d)
             record.update(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
                           flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
                           rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
@@ -835,8 +862,14 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                           clip_frac=pg.get("clip_frac"), logp_mismatch=pg.get("logp_mismatch"),
                           grad_norm=norms[-1] if norms else float("nan"),
                           tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world,
-                          t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
+                          t_rollout=t_rollout, t_reward=t_reward, t_fidelity=t_fidelity, t_update=t_update,
                           end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)})
+            record["flat_group_share"] = sums[3] / max(1.0, sums[9])   # groups whose rewards are all equal
+            for tool, f in reward.fidelity_by_tool(gather_sums(fid_sums, d)).items():
+                record[f"fidelity_n/{tool}"] = f["calls"]
+                record[f"fidelity_exact/{tool}"] = f["exact"]
+                record[f"fidelity_kv/{tool}"] = f["kv"]
+                record[f"fidelity_error/{tool}"] = f["error_correct"]
             if samples is not None and ro.ids.shape[0]:
                 samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
                                "text": rollout.describe_row(ro, tok, 0)})
@@ -845,7 +878,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         record["t_step"] = time.perf_counter() - t_step
         if metrics is not None:
             metrics.write(record)
-            bar.set_postfix({k: round(record[k], 3) for k in ("loss", "reward_mean") if record.get(k) is not None})
+            bar.set_postfix(progress_fields(record))
         if not ok:
             print(f"warning: step {step}: non-finite loss or gradient; update skipped "
                   f"({bad_steps} in a row)", file=sys.stderr)
@@ -862,6 +895,18 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         import torch.distributed as dist
         dist.destroy_process_group()
     return run
+
+
+def progress_fields(record: dict) -> dict:
+    """The progress bar: loss, and on GRPO steps reward, success, flat-group share and the mean exact
+    fidelity of the step's rehearsed calls (`fid`)."""
+    out = {k: round(record[k], 3) for k in ("loss", "reward_mean", "success_rate", "flat_group_share")
+           if record.get(k) is not None}
+    calls = {k.split("/", 1)[1]: n for k, n in record.items() if k.startswith("fidelity_n/")}
+    if calls:
+        out["fid"] = round(sum(record[f"fidelity_exact/{t}"] * n for t, n in calls.items()) / sum(calls.values()), 3)
+    return {{"reward_mean": "reward", "success_rate": "success", "flat_group_share": "flat"}.get(k, k): v
+            for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -446,10 +446,15 @@ def _final_text(traj):
     return ""
 
 
+def _replay(task: Task, traj: Trajectory) -> tuple[ToyEnv, list[str]]:
+    """traj.calls executed in order on a fresh env (the verifier): the env after them and the real responses."""
+    env = make_env(task)
+    return env, [env.step(c.name, c.arguments) for c in traj.calls]
+
+
 def score(task: Task, traj: Trajectory) -> Score:
     """Replay traj.calls on a fresh env (never trusting traj.observations) and check state, answer, reads."""
-    env = make_env(task)
-    real = [env.step(c.name, c.arguments) for c in traj.calls]
+    env, real = _replay(task, traj)
     gt = task.ground_truth
     state_ok = env.state() == gt["final_state"]
     answer_ok = _last_int(_final_text(traj)) == gt["answer"]
@@ -475,6 +480,26 @@ def score(task: Task, traj: Trajectory) -> Score:
         "n_rehearsed_correct": sum(correct[i] for i in rehearsed),
         "calls_match_gold": float(made == [(g["name"], g["arguments"]) for g in gt["calls"]]),
     })
+
+
+def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
+    """Rule-based checklist items checked exactly against the ground truth (the official EnvACE reward is a
+    30B LLM judge scoring checklist items per turn; this rule stands in for it):
+        call k        gold call k (name and arguments) was made after the calls matched to gold calls 1..k-1
+                      (the gold calls in order, other calls allowed in between)
+        final state   the calls replayed on a fresh env leave the gold final state
+        answer        the last integer of the final answer is the gold value
+    Observations, real or rehearsed, play no part. All items met implies score() == 1."""
+    gt = task.ground_truth
+    made = [(c.name, c.arguments) for c in traj.calls]
+    items, nxt = [], 0
+    for k, g in enumerate(gt["calls"]):
+        hit = next((i for i in range(nxt, len(made)) if made[i] == (g["name"], g["arguments"])), None)
+        nxt = hit + 1 if hit is not None else nxt
+        items.append((f"call {k + 1}: {g['name']} {json.dumps(g['arguments'])}", hit is not None))
+    env, _ = _replay(task, traj)
+    return items + [("final state", env.state() == gt["final_state"]),
+                    ("answer", _last_int(_final_text(traj)) == gt["answer"])]
 
 
 # ----------------------------------------------------------------------------- gold data and helpers

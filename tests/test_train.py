@@ -196,7 +196,7 @@ def test_resume_reproduces_the_uninterrupted_run(micro_path, tmp_path):
     assert state["step"] == 4 and "config" in state
     metrics = json.loads((full / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("reward_mean", "success_rate", "loss", "kl", "clip_frac", "grad_norm", "tokens_per_s",
-                "act_tokens", "world_tokens", "flat_groups", "evaluator_errors"):
+                "act_tokens", "world_tokens", "flat_groups", "flat_group_share", "evaluator_errors"):
         assert key in metrics
 
 
