@@ -204,13 +204,14 @@ class TrainConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float = 3.0
-    kl_coef: float = 0.0
+    kl_coef: float = 1e-4            # k3 KL to the policy as GRPO began (kept in RUN/reference/); 0: none
     aggregate: str = "token_mean"
-    scale_std: bool = True           # False: Dr.GRPO advantages (no std division)
-    per_role_adv: bool = False
+    scale_std: bool = False          # False: Dr.GRPO advantages (no std division), as the paper; True: GRPO's
+    per_role_adv: bool = True        # role-wise groups: each role normalised over the rows that hold it
     act_weight: float = 1.0
     world_weight: float = 1.0
-    reward: str = "success"          # success (binary task score) | checklist (fraction of rule-based items met)
+    reward: str = "auto"             # checklist (fraction of rule-based items met) | success (binary task
+                                     # score) | auto: checklist where the benchmark has one, else success
     defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
     sft_steps: int = -1              # supervised warm start on reference trajectories; -1: SFT_TINY_STEPS for tiny
     sft_batch: int = 16
@@ -237,6 +238,9 @@ class TrainConfig:
             c.sft_steps = SFT_TINY_STEPS if tiny and c.bench == "toyworld" else 0
         if c.sft_rehearsal_frac < 0:   # -1: on for the tiny model, which has never seen the format otherwise
             c.sft_rehearsal_frac = 0.25 if tiny else 0.0
+        if c.reward == "auto":
+            import reward
+            c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
         return c
 
 
@@ -287,8 +291,8 @@ def validate(cfg: TrainConfig):
     if cfg.env not in ("rehearse", "real"):
         raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
     import reward
-    if cfg.reward not in reward.REWARD_KINDS:
-        raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)}, not {cfg.reward!r}")
+    if cfg.reward not in (*reward.REWARD_KINDS, "auto"):
+        raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)} or auto, not {cfg.reward!r}")
     if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
         raise ConfigError(f"--reward checklist: benchmark {cfg.bench!r} has no rule-based checklist (toyworld, "
                           "tau2 and bfcl do); use --reward success")
@@ -599,6 +603,51 @@ def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
+def save_model_folder(model, tok, folder: Path, d: Dist):
+    """The full model (gathered from FSDP shards) and tokenizer as an HF folder, written by rank 0."""
+    import torch.distributed as dist
+    if d.world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        dist.barrier()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        full = None
+    if d.main:
+        model.save_pretrained(folder, state_dict=full) if full is not None else model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    if d.world > 1:
+        dist.barrier()
+
+
+def reference_model(model, tok, run: Path, d: Dist):
+    """The frozen KL reference: the policy as GRPO began (the end of the warm start). It is written once to
+    RUN/reference/ (temp folder, then renamed) and loaded from there on --resume, so a resumed run keeps the
+    reference of the uninterrupted one instead of taking the policy it resumed from."""
+    import copy
+
+    import policy
+    folder = run / "reference"
+    if (folder / "config.json").exists():
+        try:
+            ref, _ = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
+        except policy.PolicyLoadError as exc:
+            raise CheckpointError(f"cannot load the KL reference {folder} ({exc}); delete it to take the "
+                                  "resumed policy as the reference") from exc
+        ref = shard(ref, d)
+    else:
+        ref = copy.deepcopy(model)
+        tmp = run / ".reference.tmp"
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        save_model_folder(model, tok, tmp, d)
+        if d.main:
+            os.replace(tmp, folder)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref.eval()
+
+
 def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict):
     """ckpt/step_N/: HF folder (model + tokenizer), optim_rank{r}.pt, state.json; then `latest` -> it.
 
@@ -612,17 +661,7 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
     if d.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    if d.world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        dist.barrier()
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        full = None
-    if d.main:
-        model.save_pretrained(tmp, state_dict=full) if full is not None else model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-    if d.world > 1:
-        dist.barrier()
+    save_model_folder(model, tok, tmp, d)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
     if d.world > 1:
         dist.barrier()
@@ -798,8 +837,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             for g in optimizer.param_groups:
                 g["lr"] = cfg.lr
             if cfg.kl_coef > 0 and ref_model is None:
-                import copy
-                ref_model = copy.deepcopy(model).eval()
+                ref_model = reference_model(model, tok, run, d)
             batch_tasks = pick.sample(tasks, min(cfg.tasks_per_step, len(tasks)))[d.rank::d.world]
             model.eval()
             t0 = time.perf_counter()

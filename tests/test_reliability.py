@@ -561,7 +561,7 @@ def varied_rewards(monkeypatch):
     from bench import Score
     counter = [0]
 
-    def fake(bench, task, traj, defects, penalty):
+    def fake(bench, task, traj, defects, penalty, kind="success"):
         counter[0] += 1
         return Score(reward=float(counter[0] % 2))
     monkeypatch.setattr(reward, "trajectory_reward", fake)
@@ -597,7 +597,8 @@ def test_repeated_non_finite_steps_stop_the_run_with_exit_1(micro_path, tmp_path
 
 def test_flat_reward_groups_train_nothing_and_are_counted(micro_path, tmp_path):
     run = tmp_path / "flat"       # the untrained micro model never solves a task: every group is all-0
-    res = run_train(tiny_args(micro_path, run, sft=0, steps=2))
+    # binary success (a checklist gives partial credit) and no KL term (which trains any row once it drifts)
+    res = run_train(tiny_args(micro_path, run, sft=0, steps=2, extra=["--reward", "success", "--kl-coef", "0"]))
     assert res.returncode == 0, res.stderr
     recs = metrics_of(run)
     assert all(x["flat_groups"] == 2 and x["loss"] == 0 and not x["skipped_update"] for x in recs)

@@ -192,6 +192,11 @@ def test_resume_reproduces_the_uninterrupted_run(micro_path, tmp_path):
     pa, pb = params_of(full / "ckpt" / "step_000004"), params_of(part / "ckpt" / "step_000004")
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=0)
+    # the KL reference (on by default) is the policy as GRPO began, kept in the run for the resumed half
+    ref_full, ref_part = params_of(full / "reference"), params_of(part / "reference")
+    warm = params_of(part / "ckpt" / "step_000002")
+    for k in warm:
+        assert torch.equal(ref_full[k], warm[k]) and torch.equal(ref_part[k], warm[k]), k
     state = json.loads((part / "ckpt" / "step_000004" / "state.json").read_text())
     assert state["step"] == 4 and "config" in state
     metrics = json.loads((full / "metrics.jsonl").read_text().splitlines()[-1])
