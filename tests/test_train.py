@@ -312,3 +312,12 @@ def test_skipped_tools_responses_carry_no_warm_start_loss(micro_path):
     ids_s, roles_s = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0,
                                         world_skip=frozenset({"get_balance", "get_price", "buy", "transfer"}))
     assert ids_s == ids_w and Role.WORLD not in roles_s
+
+
+def test_progress_bar_shows_reward_success_flat_share_and_exact_fidelity_over_the_steps_rehearsals():
+    record = {"step": 5, "phase": "grpo", "loss": 0.12345, "reward_mean": 0.5, "success_rate": 0.25,
+              "flat_group_share": 0.75, "fidelity_n/get_balance": 3, "fidelity_exact/get_balance": 1 / 3,
+              "fidelity_n/buy": 1, "fidelity_exact/buy": 1.0}
+    assert train.progress_fields(record) == {"loss": 0.123, "reward": 0.5, "success": 0.25, "flat": 0.75,
+                                             "fid": 0.5}   # (1 + 1) exact of 4 rehearsed calls
+    assert train.progress_fields({"step": 0, "phase": "sft", "loss": 2.0}) == {"loss": 2.0}
