@@ -989,6 +989,7 @@ def main(argv=None) -> int:
             if not isinstance(saved, dict) or unknown:
                 raise CheckpointError(f"{run / 'config.json'} is not a config this train.py wrote (unknown fields: "
                                       f"{', '.join(unknown) or 'not an object'}); start a new run with --out")
+            saved.setdefault("reward", "success")   # runs written before --reward existed trained on success
             cfg = TrainConfig(**{**saved, **args, "out": str(run)})
         else:
             cfg = TrainConfig(**args)
