@@ -206,18 +206,22 @@ class TrainConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float = 3.0
-    kl_coef: float = 0.0
+    kl_coef: float = 1e-4            # k3 KL to the policy as GRPO began (kept in RUN/reference/); 0: none
     aggregate: str = "token_mean"
-    scale_std: bool = True           # False: Dr.GRPO advantages (no std division)
-    per_role_adv: bool = False
+    scale_std: bool = False          # False: Dr.GRPO advantages (no std division), as the paper; True: GRPO's
+    per_role_adv: bool = True        # role-wise groups: each role normalised over the rows that hold it
     act_weight: float = 1.0
     world_weight: float = 1.0
+    reward: str = "auto"             # checklist (fraction of rule-based items met) | success (binary task
+                                     # score) | auto: checklist where the benchmark has one, else success
     defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
     sft_steps: int = -1              # supervised warm start on reference trajectories; -1: SFT_TINY_STEPS for tiny
     sft_batch: int = 16
     sft_lr: float = 5e-3
     sft_warmup: int = 30             # linear ramp of sft_lr over the first steps
     sft_rehearsal_frac: float = -1.0  # share of warm-start sequences teaching the test-time rehearsal format
+    sft_world_frac: float = 0.0      # share of warm-start sequences that are world examples (toy world only)
+    sft_world_skip: str = ""         # comma list of tools whose responses get no warm-start loss (mechanism test)
     beta2: float = 0.95              # AdamW beta2 (0.95: the usual LM choice; tiny-model SFT learns ~2x faster)
     sft_roles: str = "act,world"
     seed: int = 0
@@ -236,6 +240,9 @@ class TrainConfig:
             c.sft_steps = SFT_TINY_STEPS if tiny and c.bench == "toyworld" else 0
         if c.sft_rehearsal_frac < 0:   # -1: on for the tiny model, which has never seen the format otherwise
             c.sft_rehearsal_frac = 0.25 if tiny else 0.0
+        if c.reward == "auto":
+            import reward
+            c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
         return c
 
 
@@ -271,12 +278,26 @@ def parse_task_opts(text: str) -> dict:
     return out
 
 
+def parse_tool_names(text: str) -> frozenset:
+    """'get_price,buy' -> frozenset of names ("" -> empty)."""
+    names = [t.strip() for t in text.split(",")]
+    if text.strip() and not all(names):
+        raise ConfigError(f"--sft-world-skip takes a comma list of tool names, got {text!r}")
+    return frozenset(n for n in names if n)
+
+
 def validate(cfg: TrainConfig):
-    from bench import BENCHES
+    from bench import BENCHES, load_bench
     if cfg.bench not in BENCHES:
         raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
     if cfg.env not in ("rehearse", "real"):
         raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
+    import reward
+    if cfg.reward not in (*reward.REWARD_KINDS, "auto"):
+        raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)} or auto, not {cfg.reward!r}")
+    if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
+        raise ConfigError(f"--reward checklist: benchmark {cfg.bench!r} has no rule-based checklist (toyworld, "
+                          "tau2 and bfcl do); use --reward success")
     parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
     if cfg.steps < 0:
         raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
@@ -300,6 +321,12 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-warmup must be >= 0, got {cfg.sft_warmup}")
     if cfg.sft_rehearsal_frac != -1.0 and not 0 <= cfg.sft_rehearsal_frac <= 1:
         raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1] (or -1: auto), got {cfg.sft_rehearsal_frac}")
+    if not 0 <= cfg.sft_world_frac <= 1:   # also refuses nan
+        raise ConfigError(f"--sft-world-frac must be in [0, 1], got {cfg.sft_world_frac}")
+    if cfg.sft_world_frac > 0 and not hasattr(load_bench(cfg.bench), "world_examples"):
+        raise ConfigError(f"--sft-world-frac needs a benchmark that generates world examples (toyworld); "
+                          f"{cfg.bench!r} has none")
+    parse_tool_names(cfg.sft_world_skip)
     if cfg.keep_checkpoints < 0:
         raise ConfigError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints}")
     for name in ("kl_coef", "dual_clip", "defect_penalty", "weight_decay", "act_weight", "world_weight"):
@@ -401,6 +428,20 @@ def all_sum(values: list[float], d: Dist) -> list[float]:
     return t.tolist()
 
 
+def gather_sums(sums: dict[str, list[float]], d: Dist) -> dict[str, list[float]]:
+    """Per-key lists of sums added over ranks (keys may differ between ranks)."""
+    if d.world == 1:
+        return sums
+    import torch.distributed as dist
+    parts = [None] * d.world
+    dist.all_gather_object(parts, sums)
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for key, vals in part.items():
+            out[key] = [a + b for a, b in zip(out.get(key, [0.0] * len(vals)), vals)]
+    return out
+
+
 def autocast(d: Dist):
     if d.device.type == "cuda" and d.world == 1:
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -483,17 +524,62 @@ def optimizer_step(model, optimizer, grad_clip: float) -> tuple[float, bool]:
     return norm, True
 
 
-def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random):
-    """(ids, roles) of one warm-start sequence: the reference chat, or with probability rehearsal_frac one of
-    rehearse.warm_start_examples (an assessment or a memory-prefixed turn) built from it."""
+WORLD_EXAMPLE_MAX_CALLS = 4   # the reference chats of the toy world hold 1-4 calls
+
+
+def world_response_tools(engine, task, ids: list[int], roles: list[int]) -> list[tuple[int, int, str | None]]:
+    """(start, end, tool name) of each WORLD stretch of a sequence: the k-th stretch after an assistant turn
+    answers that turn's k-th call, parsed from the turn's own tokens (None for a malformed call). Works on
+    every warm-start layout (reference chats, rehearsal-format examples, world examples)."""
+    spans, names, k, start = [], [], 0, 0
+    for pos in range(1, len(roles) + 1):
+        if pos < len(roles) and roles[pos] == roles[start]:
+            continue
+        role = roles[start]
+        if role == Role.ACT:
+            body = [t for t in ids[start:pos] if t != engine.fmt.eos_id]
+            parsed = engine.fmt.parse(engine.tok.decode(body, skip_special_tokens=False), task.tools)
+            names, k = [getattr(item, "name", None) for item in parsed.items], 0
+        elif role == Role.WORLD:
+            spans.append((start, pos, names[k] if k < len(names) else None))
+            k += 1
+        start = pos
+    return spans
+
+
+def without_world_loss(engine, task, ids: list[int], roles: list[int], tools: frozenset) -> list[int]:
+    """roles with the WORLD tokens of responses to `tools` turned into PROMPT: no loss on them, while the
+    calls that lead to them (ACT) are still trained."""
+    roles = list(roles)
+    for start, end, name in world_response_tools(engine, task, ids, roles):
+        if name in tools:
+            roles[start:end] = [int(Role.PROMPT)] * (end - start)
+    return roles
+
+
+def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random, world_frac: float = 0.0,
+                 world_skip: frozenset = frozenset()):
+    """(ids, roles) of one warm-start sequence: with probability world_frac a world example
+    (bench.world_examples: random valid and invalid calls with their real responses), else the reference
+    chat, or with probability rehearsal_frac one of rehearse.warm_start_examples (an assessment or a
+    memory-prefixed turn) built from it. Responses of the tools in world_skip carry no loss."""
     import rehearse
     import rollout
-    messages = bench.reference_trajectory(task)
-    if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
-        examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng)
-        if examples:
-            return rng.choice(examples)
-    return rollout.encode_conversation(engine, task, messages)
+    seq, world_example = None, world_frac > 0 and rng.random() < world_frac
+    if world_example:
+        messages = bench.world_examples(task, rng, rng.randint(1, WORLD_EXAMPLE_MAX_CALLS))
+    else:
+        messages = bench.reference_trajectory(task)
+        if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
+            examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng)
+            if examples:
+                seq = rng.choice(examples)
+    ids, roles = seq if seq is not None else rollout.encode_conversation(engine, task, messages)
+    if world_skip:
+        roles = without_world_loss(engine, task, ids, roles, world_skip)
+    if world_example:   # the random calls are not behaviour to imitate: only their responses (WORLD) train
+        roles = [int(Role.PROMPT) if r == Role.ACT else r for r in roles]
+    return ids, roles
 
 
 def sft_loss(model, seqs: list[tuple[list[int], list[int]]], train_roles, d: Dist, pad_id: int, chunk_size: int):
@@ -534,6 +620,55 @@ def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
+def save_model_folder(model, tok, folder: Path, d: Dist, template_kwargs: dict | None = None):
+    """The full model (gathered from FSDP shards) and tokenizer (with its chat template and the template
+    variables) as an HF folder, written by rank 0."""
+    import torch.distributed as dist
+
+    import policy
+    if d.world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        dist.barrier()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        full = None
+    if d.main:
+        model.save_pretrained(folder, state_dict=full) if full is not None else model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        policy.save_template_kwargs(folder, template_kwargs or {})
+    if d.world > 1:
+        dist.barrier()
+
+
+def reference_model(model, tok, run: Path, d: Dist):
+    """The frozen KL reference: the policy as GRPO began (the end of the warm start). It is written once to
+    RUN/reference/ (temp folder, then renamed) and loaded from there on --resume, so a resumed run keeps the
+    reference of the uninterrupted one instead of taking the policy it resumed from."""
+    import copy
+
+    import policy
+    folder = run / "reference"
+    if (folder / "config.json").exists():
+        try:
+            ref, _ = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
+        except policy.PolicyLoadError as exc:
+            raise CheckpointError(f"cannot load the KL reference {folder} ({exc}); delete it to take the "
+                                  "resumed policy as the reference") from exc
+        ref = shard(ref, d)
+    else:
+        ref = copy.deepcopy(model)
+        tmp = run / ".reference.tmp"
+        if d.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        save_model_folder(model, tok, tmp, d)
+        if d.main:
+            os.replace(tmp, folder)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref.eval()
+
+
 def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict,
                     template_kwargs: dict | None = None):
     """ckpt/step_N/: HF folder (model + tokenizer with its chat template, the template variables),
@@ -551,18 +686,7 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
     if d.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    if d.world > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        dist.barrier()
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        full = None
-    if d.main:
-        model.save_pretrained(tmp, state_dict=full) if full is not None else model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        policy.save_template_kwargs(tmp, template_kwargs or {})
-    if d.world > 1:
-        dist.barrier()
+    save_model_folder(model, tok, tmp, d, template_kwargs)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
     if d.world > 1:
         dist.barrier()
@@ -666,6 +790,12 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts))
     if not tasks:
         raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
+    world_skip = parse_tool_names(cfg.sft_world_skip)
+    known_tools = {t["function"]["name"] for task in tasks[:200] for t in task.tools}
+    if world_skip - known_tools:
+        raise ConfigError(f"--sft-world-skip names no tool of {cfg.bench!r}: "
+                          f"{', '.join(sorted(world_skip - known_tools))}; its tools include: "
+                          f"{', '.join(sorted(known_tools)[:20])}")
     # a checkpoint carries its chat template (chat_template.jinja) and variables, so resuming reads them there
     engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
                          template_kwargs(cfg), dtype=torch.float32, device=d.device)   # fails early if unusable
@@ -722,7 +852,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             for g in optimizer.param_groups:
                 g["lr"] = cfg.sft_lr * min(1.0, (step + 1) / max(cfg.sft_warmup, 1))
             batch_tasks = pick.sample(tasks, min(cfg.sft_batch, len(tasks)))[d.rank::d.world]
-            seqs = [sft_sequence(engine, bench, t, cfg.sft_rehearsal_frac, pick) for t in batch_tasks]
+            seqs = [sft_sequence(engine, bench, t, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac, world_skip)
+                    for t in batch_tasks]
             model.train()
             loss, n_tok = sft_loss(model, seqs, sft_roles, d, tok.pad_token_id, cfg.chunk_size)
             norm, ok = optimizer_step(model, optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)
@@ -733,8 +864,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             for g in optimizer.param_groups:
                 g["lr"] = cfg.lr
             if cfg.kl_coef > 0 and ref_model is None:
-                import copy
-                ref_model = copy.deepcopy(model).eval()
+                ref_model = reference_model(model, tok, run, d)
             batch_tasks = pick.sample(tasks, min(cfg.tasks_per_step, len(tasks)))[d.rank::d.world]
             model.eval()
             t0 = time.perf_counter()
@@ -745,9 +875,14 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                                     make_env=make_env, responses=cfg.env)
             t_rollout = time.perf_counter() - t0
             t0 = time.perf_counter()
-            scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty)
+            scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty,
+                                               cfg.reward)
                       for ti, tr, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
             t_reward = time.perf_counter() - t0
+            # verifier-side world-model fidelity per tool (replays the calls; nothing reaches the policy)
+            fid_sums = reward.fidelity_sums(pair for ti, tr in zip(ro.task_index, ro.trajectories)
+                                            for pair in reward.rehearsal_fidelity(cfg.bench, batch_tasks[ti], tr))
+            t_fidelity = time.perf_counter() - t0 - t_reward
             rewards = torch.tensor([s.reward for s in scores])
             groups = torch.tensor([d.rank * 100_000 + i for i in ro.task_index])
             adv, flat = role_advantages(rewards, groups, ro.roles, train_roles, cfg.scale_std, cfg.per_role_adv)
@@ -783,7 +918,8 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             sums = all_sum([float(rewards.sum()), float(sum(succ)), n_rows, flat, ro.stats["act_tokens"],
                             ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects),
                             ro.stats["tokens_sampled"],
-                            sum(bool(s.components.get("evaluator_error")) for s in scores)], d)
+                            sum(bool(s.components.get("evaluator_error")) for s in scores),
+                            len(set(ro.task_index))], d)
             record.update(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
                           flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
                           rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
@@ -791,8 +927,14 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
                           clip_frac=pg.get("clip_frac"), logp_mismatch=pg.get("logp_mismatch"),
                           grad_norm=norms[-1] if norms else float("nan"),
                           tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world,
-                          t_rollout=t_rollout, t_reward=t_reward, t_update=t_update,
+                          t_rollout=t_rollout, t_reward=t_reward, t_fidelity=t_fidelity, t_update=t_update,
                           end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)})
+            record["flat_group_share"] = sums[3] / max(1.0, sums[9])   # groups whose rewards are all equal
+            for tool, f in reward.fidelity_by_tool(gather_sums(fid_sums, d)).items():
+                record[f"fidelity_n/{tool}"] = f["calls"]
+                record[f"fidelity_exact/{tool}"] = f["exact"]
+                record[f"fidelity_kv/{tool}"] = f["kv"]
+                record[f"fidelity_error/{tool}"] = f["error_correct"]
             if samples is not None and ro.ids.shape[0]:
                 samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
                                "text": rollout.describe_row(ro, tok, 0)})
@@ -801,7 +943,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         record["t_step"] = time.perf_counter() - t_step
         if metrics is not None:
             metrics.write(record)
-            bar.set_postfix({k: round(record[k], 3) for k in ("loss", "reward_mean") if record.get(k) is not None})
+            bar.set_postfix(progress_fields(record))
         if not ok:
             print(f"warning: step {step}: non-finite loss or gradient; update skipped "
                   f"({bad_steps} in a row)", file=sys.stderr)
@@ -818,6 +960,18 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         import torch.distributed as dist
         dist.destroy_process_group()
     return run
+
+
+def progress_fields(record: dict) -> dict:
+    """The progress bar: loss, and on GRPO steps reward, success, flat-group share and the mean exact
+    fidelity of the step's rehearsed calls (`fid`)."""
+    out = {k: round(record[k], 3) for k in ("loss", "reward_mean", "success_rate", "flat_group_share")
+           if record.get(k) is not None}
+    calls = {k.split("/", 1)[1]: n for k, n in record.items() if k.startswith("fidelity_n/")}
+    if calls:
+        out["fid"] = round(sum(record[f"fidelity_exact/{t}"] * n for t, n in calls.items()) / sum(calls.values()), 3)
+    return {{"reward_mean": "reward", "success_rate": "success", "flat_group_share": "flat"}.get(k, k): v
+            for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -857,6 +1011,7 @@ def main(argv=None) -> int:
             if not isinstance(saved, dict) or unknown:
                 raise CheckpointError(f"{run / 'config.json'} is not a config this train.py wrote (unknown fields: "
                                       f"{', '.join(unknown) or 'not an object'}); start a new run with --out")
+            saved.setdefault("reward", "success")   # runs written before --reward existed trained on success
             cfg = TrainConfig(**{**saved, **args, "out": str(run)})
         else:
             cfg = TrainConfig(**args)

@@ -562,21 +562,27 @@ def _score_single(task: Task, traj: Trajectory) -> tuple[bool, str | None, str]:
                     "" if not calls else "made a call where none of the functions applies")
         return (bool(calls), None if calls else "relevance_error:decoder_failed",
                 "" if calls else "made no call where one was expected")
+    output = [{c.name: c.arguments} for c in calls]
+    if not all(isinstance(c.name, str) and isinstance(c.arguments, dict) for c in calls):
+        return False, "ast_decoder:decoder_wrong_output_format", "a call is not {name: {arguments}}"
+    res = _run_ast_checker(task, output, task.ground_truth, cat)
+    return bool(res["valid"]), None if res["valid"] else res.get("error_type"), \
+        "" if res["valid"] else str(res.get("error"))[:500]
+
+
+def _run_ast_checker(task: Task, output: list[dict], possible: list[dict], category: str) -> dict:
+    """bfcl-eval's ast_checker on {name: arguments} calls against possible answers; an exception inside it
+    (e.g. a Java value its converter chokes on) is a wrong call, not a scorer failure."""
     ac = _ast_checker()
     from bfcl_eval.constants.enums import Language
     lang = {"python": Language.PYTHON, "java": Language.JAVA, "javascript": Language.JAVASCRIPT}[
         task.metadata["language"]]
-    output = [{c.name: c.arguments} for c in calls]
-    if not all(isinstance(c.name, str) and isinstance(c.arguments, dict) for c in calls):
-        return False, "ast_decoder:decoder_wrong_output_format", "a call is not {name: {arguments}}"
     try:
-        res = ac.ast_checker(copy.deepcopy(task.metadata["functions"]), copy.deepcopy(output),
-                             copy.deepcopy(task.ground_truth), lang, cat,
-                             _CHECKER_MODEL[bool(task.metadata.get("underscore_names"))])
-    except Exception as e:   # e.g. a Java value the converter chokes on: the call is wrong, not the scorer
-        return False, "ast_checker:exception", f"{type(e).__name__}: {e}"
-    return bool(res["valid"]), None if res["valid"] else res.get("error_type"), \
-        "" if res["valid"] else str(res.get("error"))[:500]
+        return ac.ast_checker(copy.deepcopy(task.metadata["functions"]), copy.deepcopy(output),
+                              copy.deepcopy(possible), lang, category,
+                              _CHECKER_MODEL[bool(task.metadata.get("underscore_names"))])
+    except Exception as e:
+        return {"valid": False, "error_type": "ast_checker:exception", "error": f"{type(e).__name__}: {e}"}
 
 
 def decoded_turns(task: Task, traj: Trajectory) -> tuple[list[list[list[str]]], str | None]:
@@ -636,6 +642,41 @@ def score(task: Task, traj: Trajectory) -> Score:
     if etype in CHECKER_EXCEPTIONS:   # BFCL's own runner would stop on these; counted, not hidden as a failure
         comp["evaluator_error"] = msg
     return Score(reward=1.0 if valid else 0.0, components=comp)
+
+
+def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
+    """Rule-based checklist items, one per gold call, checked against the ground truth (the official EnvACE
+    reward is a 30B LLM judge scoring checklist items per turn; this rule stands in for it). Each call made
+    fulfils at most one item; the calls' responses, real or rehearsed, play no part.
+
+    single-turn: gold call k is met by a call that bfcl-eval's AST checker accepts against that gold call
+    alone (any acceptable value per argument, the package's type and language rules); relevance: one item,
+    "no call" (irrelevance) or "some call" (live_relevance). multi-turn: gold call k of user turn u is met by
+    a call in user turn u with the same name and arguments (the gold call strings parsed, positional
+    arguments named)."""
+    cat = task.metadata["category"]
+    if cat in RELEVANCE_CATEGORIES:
+        return [("no call", not traj.calls)] if "irrelevance" in cat else [("some call", bool(traj.calls))]
+    unused = list(range(len(traj.calls)))
+    items = []
+    if cat in MULTI_TURN_CATEGORIES:
+        for k, gold in enumerate(reference_calls(task)):
+            hit = next((i for i in unused if traj.calls[i].user_turn == gold.user_turn
+                        and traj.calls[i].name == gold.name and traj.calls[i].arguments == gold.arguments), None)
+            if hit is not None:
+                unused.remove(hit)
+            items.append((f"turn {gold.user_turn} call {k + 1}: {gold.name}", hit is not None))
+        return items
+    for k, gold in enumerate(task.ground_truth):
+        name = next(iter(gold))
+        hit = next((i for i in unused if isinstance(traj.calls[i].name, str)
+                    and isinstance(traj.calls[i].arguments, dict)
+                    and _run_ast_checker(task, [{traj.calls[i].name: traj.calls[i].arguments}], [gold],
+                                         "multiple")["valid"]), None)
+        if hit is not None:
+            unused.remove(hit)
+        items.append((f"call {k + 1}: {name}", hit is not None))
+    return items
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -446,6 +446,19 @@ def score(task: Task, traj: Trajectory) -> Score:
     return Score(reward=float(min(1.0, max(0.0, info.reward))), components=comp)
 
 
+def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
+    """Rule-based checklist items checked by tau²'s own evaluator over the calls replayed on a fresh domain
+    environment (the official EnvACE reward is a 30B LLM judge scoring checklist items per turn; this rule
+    stands in for it): one item per gold action (tau²'s ActionEvaluator: made with the gold arguments), and
+    the DB check (the replayed database equals the gold one). Rehearsed responses play no part. A scorer
+    failure leaves every item unmet."""
+    comp = score(task, traj).components
+    gold = (task.ground_truth or {}).get("actions") or []
+    matched = comp.get("actions_matched") or [False] * len(gold)
+    items = [(f"action {k + 1}: {a['name']}", bool(m)) for k, (a, m) in enumerate(zip(gold, matched))]
+    return items + [("db", bool(comp.get("db_match", False)))]
+
+
 def ground_truth_trajectory(task: Task) -> Trajectory:
     """The task's expected actions as a trajectory: agent actions as calls, user-side actions (telecom) as
     user_tool_calls on a user message, the expected communicate info in a final assistant message."""

@@ -446,10 +446,15 @@ def _final_text(traj):
     return ""
 
 
+def _replay(task: Task, traj: Trajectory) -> tuple[ToyEnv, list[str]]:
+    """traj.calls executed in order on a fresh env (the verifier): the env after them and the real responses."""
+    env = make_env(task)
+    return env, [env.step(c.name, c.arguments) for c in traj.calls]
+
+
 def score(task: Task, traj: Trajectory) -> Score:
     """Replay traj.calls on a fresh env (never trusting traj.observations) and check state, answer, reads."""
-    env = make_env(task)
-    real = [env.step(c.name, c.arguments) for c in traj.calls]
+    env, real = _replay(task, traj)
     gt = task.ground_truth
     state_ok = env.state() == gt["final_state"]
     answer_ok = _last_int(_final_text(traj)) == gt["answer"]
@@ -477,6 +482,26 @@ def score(task: Task, traj: Trajectory) -> Score:
     })
 
 
+def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
+    """Rule-based checklist items checked exactly against the ground truth (the official EnvACE reward is a
+    30B LLM judge scoring checklist items per turn; this rule stands in for it):
+        call k        gold call k (name and arguments) was made after the calls matched to gold calls 1..k-1
+                      (the gold calls in order, other calls allowed in between)
+        final state   the calls replayed on a fresh env leave the gold final state
+        answer        the last integer of the final answer is the gold value
+    Observations, real or rehearsed, play no part. All items met implies score() == 1."""
+    gt = task.ground_truth
+    made = [(c.name, c.arguments) for c in traj.calls]
+    items, nxt = [], 0
+    for k, g in enumerate(gt["calls"]):
+        hit = next((i for i in range(nxt, len(made)) if made[i] == (g["name"], g["arguments"])), None)
+        nxt = hit + 1 if hit is not None else nxt
+        items.append((f"call {k + 1}: {g['name']} {json.dumps(g['arguments'])}", hit is not None))
+    env, _ = _replay(task, traj)
+    return items + [("final state", env.state() == gt["final_state"]),
+                    ("answer", _last_int(_final_text(traj)) == gt["answer"])]
+
+
 # ----------------------------------------------------------------------------- gold data and helpers
 
 def reference_trajectory(task: Task) -> list[dict]:
@@ -489,6 +514,69 @@ def reference_trajectory(task: Task) -> list[dict]:
                                      "function": {"name": g["name"], "arguments": dict(g["arguments"])}}]})
         msgs.append({"role": "tool", "content": env.step(g["name"], g["arguments"])})
     msgs.append({"role": "assistant", "content": task.ground_truth["answer_text"]})
+    return msgs
+
+
+def _random_call(r: random.Random, env: ToyEnv) -> tuple[str, dict]:
+    """One call the tool-call parser accepts (a known tool with its required arguments), valid or not: the
+    right tool with valid arguments most of the time, else an unknown account or item, a wrong amount or
+    quantity (zero, negative, a float, a string, more than the balance or the stock), the same account twice,
+    a wrong type or an unexpected extra argument. Each then gets whatever the rules answer."""
+    accounts, items = list(env.balances), list(env.prices)
+    unknown_account = r.choice([n for n in NAMES if n not in env.balances])
+    unknown_item = r.choice([i for i in ITEMS if i not in env.prices])
+    name = r.choice(list(_SIGNATURES))
+    a, b = r.sample(accounts, 2)
+    item = r.choice(items)
+    if name == "get_balance":
+        args = {"account": a}
+    elif name == "get_price":
+        args = {"item": item}
+    elif name == "transfer":
+        args = {"src": a, "dst": b, "amount": r.randint(1, max(1, env.balances[a]))}
+    else:
+        args = {"account": a, "item": item, "qty": r.randint(1, max(1, env.stock[item]))}
+    if r.random() < 0.5:   # half the calls are broken in one way
+        amount_key = {"transfer": "amount", "buy": "qty"}.get(name)
+        faults = ["extra_argument", "wrong_type"]
+        faults += ["unknown_account"] if name != "get_price" else ["unknown_item"]
+        faults += ["unknown_item"] if name == "buy" else []
+        faults += ["bad_amount", "too_much"] if amount_key else []
+        faults += ["same_account"] if name == "transfer" else []
+        fault = r.choice(faults)
+        if fault == "unknown_account":
+            args[r.choice([k for k in ("account", "src", "dst") if k in args])] = unknown_account
+        elif fault == "unknown_item":
+            args["item"] = unknown_item
+        elif fault == "bad_amount":
+            args[amount_key] = r.choice([0, -r.randint(1, 9), r.randint(1, 9) + 0.5, str(r.randint(1, 9))])
+        elif fault == "too_much":
+            limit = env.balances[a] if name == "transfer" else env.stock[item]
+            args[amount_key] = limit + r.randint(1, 10)
+        elif fault == "same_account":
+            args["dst"] = args["src"]
+        elif fault == "wrong_type":
+            key = r.choice(list(args))
+            args[key] = r.randint(1, 9) if isinstance(args[key], str) else f"{args[key]}"
+        else:
+            args[r.choice(["note", "memo", "currency"])] = r.choice(["x", 1])
+    return name, args
+
+
+def world_examples(task: Task, rng: random.Random, n: int) -> list[dict]:
+    """A supervised WORLD example on the task's state: the task's opening messages, then n assistant turns
+    with one random call each (`_random_call`: valid and invalid), each followed by its real response from
+    the task's environment (which keeps the state the earlier calls left). Chat messages, as
+    reference_trajectory's; the chat ends with the last tool response."""
+    if n < 1:
+        raise ValueError(f"world_examples needs n >= 1 calls, got {n}")
+    env = make_env(task)
+    msgs = [dict(m) for m in task.messages]
+    for _ in range(n):
+        name, args = _random_call(rng, env)
+        msgs.append({"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]})
+        msgs.append({"role": "tool", "content": env.step(name, args)})
     return msgs
 
 

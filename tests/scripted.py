@@ -123,7 +123,7 @@ def alternating_rewards():
     from bench import Score
     counter = [0]
 
-    def fake(bench, task, traj, defects, penalty):
+    def fake(bench, task, traj, defects, penalty, kind="success"):
         counter[0] += 1
         return Score(reward=float(counter[0] % 2))
     return fake

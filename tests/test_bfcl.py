@@ -390,3 +390,29 @@ def test_user_turns_and_held_out_functions(all_tasks):
             else:
                 assert msg == t.metadata["turns"][u][0]["content"]
         assert env.user_turn("") is None
+
+
+@needs_bfcl
+@pytest.mark.parametrize("cat", ["simple_python", "parallel", "multiple", "parallel_multiple", "simple_java",
+                                 "irrelevance", "multi_turn_base"])
+def test_checklist_items_are_the_gold_calls(all_tasks, cat):
+    for t in [t for t in all_tasks[cat] if t.id not in bfcl.UNREACHABLE_GROUND_TRUTH][:10]:
+        calls = bfcl.reference_calls(t)
+        items = bfcl.checklist(t, traj(t, calls, ["made up"] * len(calls)))
+        assert items and all(met for _, met in items), (t.id, items)
+        if cat == "irrelevance":
+            assert items == [("no call", True)]
+            assert bfcl.checklist(t, traj(t, [ToolCall("f", {})])) == [("no call", False)]
+            continue
+        assert len(items) == len(calls)
+        # the last gold call missing: only its item is unmet
+        assert [met for _, met in bfcl.checklist(t, traj(t, calls[:-1]))] == [True] * (len(calls) - 1) + [False]
+        # a wrong value of an argument: that call's item is unmet
+        i = max(k for k, c in enumerate(calls) if c.arguments)
+        bad = copy.deepcopy(calls)
+        key = next(iter(bad[i].arguments))
+        bad[i].arguments[key] = _wrong(bad[i].arguments[key])
+        assert not bfcl.checklist(t, traj(t, bad))[i][1], (t.id, bad[i])
+        if cat == "multi_turn_base":   # answering the wrong user turn earns nothing for the later turns
+            flat = [ToolCall(c.name, c.arguments, 0, 0) for c in calls]
+            assert [met for _, met in bfcl.checklist(t, traj(t, flat))] == [c.user_turn == 0 for c in calls]

@@ -592,7 +592,8 @@ def test_repeated_non_finite_steps_stop_the_run_with_exit_1(micro_path, tmp_path
 
 def test_flat_reward_groups_train_nothing_and_are_counted(micro_path, tmp_path):
     run = tmp_path / "flat"       # the untrained micro model never solves a task: every group is all-0
-    res = run_train(tiny_args(micro_path, run, sft=0, steps=2))
+    # binary success (a checklist gives partial credit) and no KL term (which trains any row once it drifts)
+    res = run_train(tiny_args(micro_path, run, sft=0, steps=2, extra=["--reward", "success", "--kl-coef", "0"]))
     assert res.returncode == 0, res.stderr
     recs = metrics_of(run)
     assert all(x["flat_groups"] == 2 and x["loss"] == 0 and not x["skipped_update"] for x in recs)
@@ -645,6 +646,10 @@ TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfi
     (["--overwrite=yes"], "--overwrite"), (["--scale-std=no"], "--scale-std"), (["--per-role-adv", "1"], "unrecognized"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints"), (["--beta2", "1"], "--beta2"), (["--beta2", "nan"], "--beta2"), (["--sft-warmup", "-1"], "--sft-warmup"),
     (["--sft-rehearsal-frac", "1.5"], "--sft-rehearsal-frac"), (["--sft-rehearsal-frac", "nan"], "--sft-rehearsal-frac"),
+    (["--reward", "judge"], "--reward must be"), (["--reward", "checklist", "--bench", "finmcp"], "no rule-based checklist"),
+    (["--sft-world-frac", "1.5"], "--sft-world-frac"), (["--sft-world-frac", "nan"], "--sft-world-frac"),
+    (["--sft-world-frac", "0.5", "--bench", "tau2"], "world examples"), (["--sft-world-skip", "get_price,"], "--sft-world-skip"),
+    (["--sft-world-skip", "get_prize"], "names no tool"),
     (["--no-such-flag"], "unrecognized"),
 ]
 

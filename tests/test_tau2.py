@@ -288,3 +288,20 @@ def test_evaluator_exception_is_reported_not_hidden(tasks, monkeypatch):
     monkeypatch.setattr(tau2._tau2(), "evaluate_simulation", broken)
     s = tau2.score(t, tau2.ground_truth_trajectory(t))
     assert s.reward == 0.0 and s.components["evaluator_error"] == "ValueError: replay mismatch"
+
+
+def test_checklist_is_gold_actions_and_the_db_check(tasks):
+    t = next(t for t in tasks["retail"] if t.id == "retail/5")
+    gt = tau2.ground_truth_trajectory(t)
+    actions = t.ground_truth["actions"]
+    items = tau2.checklist(t, gt)
+    assert [n for n, _ in items] == [f"action {k + 1}: {a['name']}" for k, a in enumerate(actions)] + ["db"]
+    assert all(met for _, met in items)
+    # one write dropped: exactly its action and the DB check are unmet
+    w = _write_actions(t)[-1]
+    dropped = replace(gt, calls=[c for c in gt.calls if not (c.name == actions[w]["name"]
+                                                               and c.arguments == actions[w]["arguments"])])
+    assert [k for k, (_, met) in enumerate(tau2.checklist(t, dropped)) if not met] == [w, len(actions)]
+    # rehearsed observations play no part
+    noisy = replace(gt, observations=['{"made": "up"}'] * len(gt.calls), rehearsed=[True] * len(gt.calls))
+    assert tau2.checklist(t, noisy) == items

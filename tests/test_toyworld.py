@@ -389,3 +389,79 @@ def test_determinism_across_processes():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                                 text=True, check=True).stdout)
     assert len(outs) == 1
+
+
+# ----------------------------------------------------------------------------- world examples (warm start)
+
+def test_world_examples_replay_on_the_env_and_cover_valid_and_invalid_calls(train):
+    errors, valid_by_tool = set(), set()
+    for i, task in enumerate(train[:300]):
+        msgs = tw.world_examples(task, random.Random(i), 4)
+        assert msgs[:len(task.messages)] == task.messages
+        turns = msgs[len(task.messages):]
+        assert [m["role"] for m in turns] == ["assistant", "tool"] * 4
+        env = tw.make_env(task)   # replay on a fresh env: every response is the real one, in order
+        for call_msg, tool_msg in zip(turns[::2], turns[1::2]):
+            (tc,) = call_msg["tool_calls"]
+            name, args = tc["function"]["name"], tc["function"]["arguments"]
+            # the tool-call parser would accept it: a known tool with its required arguments
+            assert name in tw._SIGNATURES and set(tw._SIGNATURES[name]) <= set(args)
+            assert tool_msg["content"] == env.step(name, args)
+            obs = json.loads(tool_msg["content"])
+            if "error" in obs:
+                errors.add(obs["error"].split(":")[0])
+            else:
+                valid_by_tool.add(name)
+        assert msgs == tw.world_examples(task, random.Random(i), 4)   # seeded
+    assert valid_by_tool == set(tw._SIGNATURES)
+    assert errors >= {"unknown account", "unknown item", "amount must be a positive integer",
+                      "qty must be a positive integer", "insufficient funds", "not enough stock", "same account",
+                      "unexpected argument", "account must be a string"}
+    with pytest.raises(ValueError, match="n >= 1"):
+        tw.world_examples(train[0], random.Random(0), 0)
+
+
+# ----------------------------------------------------------------------------- checklist (--reward checklist)
+
+def test_checklist_items_are_checked_against_ground_truth(train):
+    rng = random.Random(0)
+    for task in train[:400]:
+        gold = traj_of(task)
+        items = tw.checklist(task, gold)
+        assert [name for name, _ in items][-2:] == ["final state", "answer"]
+        assert len(items) == len(task.ground_truth["calls"]) + 2 and all(met for _, met in items)
+        # a corrupted trajectory: every item met still means success (all met => score 1)
+        calls = [ToolCall(c.name, dict(c.arguments)) for c in gold.calls]
+        kind = rng.choice(["drop", "swap", "amount", "extra"])
+        if kind == "drop":
+            del calls[rng.randrange(len(calls))]
+        elif kind == "swap" and len(calls) > 1:
+            calls[0], calls[1] = calls[1], calls[0]
+        elif kind == "amount":
+            c = rng.choice(calls)
+            key = next(iter(c.arguments))
+            c.arguments[key] = c.arguments[key] + 1 if isinstance(c.arguments[key], int) else "zed"
+        else:
+            calls.append(ToolCall("transfer", {"src": state_names(task)[0], "dst": state_names(task)[1], "amount": 1}))
+        bad = tw.Trajectory(task_id=task.id, messages=gold.messages, calls=calls, final_answer=gold.final_answer)
+        if all(met for _, met in tw.checklist(task, bad)):
+            assert tw.score(task, bad).reward == 1.0, (task.id, kind)
+
+
+def test_checklist_by_hand():
+    chain = next(t for t in tw.load_tasks("train", limit=64) if t.metadata["family"] == "chain")
+    gold = traj_of(chain)
+    # the second call (a transfer) missing: its item, the final state; the others are still in order
+    missing = tw.Trajectory(task_id=chain.id, messages=gold.messages, calls=gold.calls[:1] + gold.calls[2:],
+                            final_answer=gold.final_answer)
+    assert [met for _, met in tw.checklist(chain, missing)] == [True, False, True, True, False, True]
+    # order matters: the calls reversed meet only one gold call (the transfers commute: same final state)
+    rev = tw.Trajectory(task_id=chain.id, messages=gold.messages, calls=gold.calls[::-1], final_answer="nothing")
+    assert [met for _, met in tw.checklist(chain, rev)] == [True, False, False, False, True, False]
+    # rehearsed observations neither earn nor lose an item
+    made_up = copy.deepcopy(gold)
+    made_up.observations = ['{"balance": 999}'] * len(gold.calls)
+    made_up.rehearsed = [True] * len(gold.calls)
+    assert tw.checklist(chain, made_up) == tw.checklist(chain, gold)
+    assert tw.checklist(chain, tw.Trajectory(task_id=chain.id, messages=[], calls=[], final_answer="")) == [
+        (name, False) for name, _ in tw.checklist(chain, gold)]

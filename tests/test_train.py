@@ -192,11 +192,16 @@ def test_resume_reproduces_the_uninterrupted_run(micro_path, tmp_path):
     pa, pb = params_of(full / "ckpt" / "step_000004"), params_of(part / "ckpt" / "step_000004")
     for k in pa:
         torch.testing.assert_close(pa[k], pb[k], atol=1e-6, rtol=0)
+    # the KL reference (on by default) is the policy as GRPO began, kept in the run for the resumed half
+    ref_full, ref_part = params_of(full / "reference"), params_of(part / "reference")
+    warm = params_of(part / "ckpt" / "step_000002")
+    for k in warm:
+        assert torch.equal(ref_full[k], warm[k]) and torch.equal(ref_part[k], warm[k]), k
     state = json.loads((part / "ckpt" / "step_000004" / "state.json").read_text())
     assert state["step"] == 4 and "config" in state
     metrics = json.loads((full / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("reward_mean", "success_rate", "loss", "kl", "clip_frac", "grad_norm", "tokens_per_s",
-                "act_tokens", "world_tokens", "flat_groups", "evaluator_errors"):
+                "act_tokens", "world_tokens", "flat_groups", "flat_group_share", "evaluator_errors"):
         assert key in metrics
 
 
@@ -234,3 +239,85 @@ def test_bad_input_exits_2_with_one_clear_line_and_overwrites_nothing(micro_path
     res = run_train(["--resume", str(good)])
     assert res.returncode == 2 and "cannot load model weights" in res.stderr
     assert run_train(["--resume", str(tmp_path / "nowhere")]).returncode == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Warm start: world examples and tools whose responses get no loss
+
+
+def afford_task():
+    from bench import toyworld as tw
+    return next(t for t in tw.load_tasks("train", limit=16) if t.metadata["family"] == "afford")
+
+
+def test_world_response_tools_name_every_world_stretch_in_every_warm_start_layout(micro_path):
+    import random as _random
+
+    import rehearse
+    from bench import toyworld as tw
+    model, tok = policy.load_policy(str(micro_path))
+    engine = rollout.Engine(model, tok)
+    task = afford_task()
+    ref = tw.reference_trajectory(task)
+    world = tw.world_examples(task, _random.Random(3), 4)
+    layouts = [(rollout.encode_conversation(engine, task, m), m) for m in (ref, world)]
+    layouts += [(ex, None) for ex in rehearse.warm_start_examples(engine, task, ref, tw.make_env, _random.Random(1))]
+    assert int(Role.WORLD) in layouts[2][0][1]   # the assessment example holds its proposal's response
+    for (ids, roles), messages in layouts:
+        spans = train.world_response_tools(engine, task, ids, roles)
+        assert all(name in tw._SIGNATURES for _, _, name in spans)
+        assert spans or messages is None   # a memory example before the first call has no response yet
+        for start, end, name in spans:
+            text = tok.decode(ids[start:end], skip_special_tokens=False)
+            assert text.endswith(engine.fmt.world_stop) and set(roles[start:end]) == {int(Role.WORLD)}
+        if messages is not None:   # a whole chat: the k-th stretch is the k-th tool message, named by its call
+            calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m.get("tool_calls")]
+            responses = [m["content"] for m in messages if m["role"] == "tool"]
+            assert [name for _, _, name in spans] == calls
+            for (start, end, _), resp in zip(spans, responses):
+                assert tok.decode(ids[start:end], skip_special_tokens=False).startswith(resp)
+
+
+def test_skipped_tools_responses_carry_no_warm_start_loss(micro_path):
+    import random as _random
+
+    from bench import toyworld as tw
+    model, tok = policy.load_policy(str(micro_path))
+    engine = rollout.Engine(model, tok)
+    task = afford_task()
+    ids, roles = rollout.encode_conversation(engine, task, tw.reference_trajectory(task))
+    skipped = train.without_world_loss(engine, task, ids, roles, frozenset({"get_price"}))
+    price = next((s, e) for s, e, n in train.world_response_tools(engine, task, ids, roles) if n == "get_price")
+    assert '"price"' in tok.decode(ids[price[0]:price[1]])
+    changed = [i for i in range(len(ids)) if skipped[i] != roles[i]]
+    assert changed == list(range(*price)) and all(skipped[i] == Role.PROMPT for i in changed)
+    assert skipped.count(int(Role.ACT)) == roles.count(int(Role.ACT))   # acting on it is still learned
+    # the loss is the mean NLL over exactly the other trained tokens; no gradient reaches the skipped ones
+    d = train.Dist()
+    loss, n_tok = train.sft_loss(model, [(ids, skipped)], ACT_WORLD, d, tok.pad_token_id, 64)
+    full_mask = rollout.role_mask(torch.tensor([roles]), ACT_WORLD)
+    with torch.no_grad():
+        logp = train.token_logprobs(model, torch.tensor([ids]), full_mask, chunk_size=64)[0]
+    keep = [i for i in range(len(ids)) if full_mask[0, i] and not price[0] <= i < price[1]]
+    assert n_tok == len(keep)
+    assert loss == pytest.approx(float(-logp[keep].sum() / len(keep)), rel=1e-5)
+    # every response skipped and only WORLD trained: nothing is left to learn from the sequence
+    model.zero_grad()
+    all_skipped = train.without_world_loss(engine, task, ids, roles, frozenset({"get_balance", "get_price", "buy"}))
+    assert train.sft_loss(model, [(ids, all_skipped)], [Role.WORLD], d, tok.pad_token_id, 64)[1] == 0
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+    # a world example: its random calls are not imitated (no ACT), its responses are WORLD
+    ids_w, roles_w = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0)
+    assert Role.ACT not in roles_w and roles_w.count(int(Role.WORLD)) > 0
+    ids_s, roles_s = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0,
+                                        world_skip=frozenset({"get_balance", "get_price", "buy", "transfer"}))
+    assert ids_s == ids_w and Role.WORLD not in roles_s
+
+
+def test_progress_bar_shows_reward_success_flat_share_and_exact_fidelity_over_the_steps_rehearsals():
+    record = {"step": 5, "phase": "grpo", "loss": 0.12345, "reward_mean": 0.5, "success_rate": 0.25,
+              "flat_group_share": 0.75, "fidelity_n/get_balance": 3, "fidelity_exact/get_balance": 1 / 3,
+              "fidelity_n/buy": 1, "fidelity_exact/buy": 1.0}
+    assert train.progress_fields(record) == {"loss": 0.123, "reward": 0.5, "success": 0.25, "flat": 0.75,
+                                             "fid": 0.5}   # (1 + 1) exact of 4 rehearsed calls
+    assert train.progress_fields({"step": 0, "phase": "sft", "loss": 2.0}) == {"loss": 2.0}

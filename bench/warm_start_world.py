@@ -1,0 +1,84 @@
+"""World-model fidelity per tool after a supervised warm start, with and without toy-world world examples.
+
+    python bench/warm_start_world.py --sft-steps 300                       # the three arms below, seed 0
+    python bench/warm_start_world.py --sft-steps 300 --arms plain,world
+
+Each arm is one `train.py --steps 0` warm start (same seed, so the same task draws), then `evaluate.py`
+on held-out test tasks with the fidelity probe on (every real call is also rehearsed in a discarded fork and
+compared with the real response). Arms: `plain` (reference chats only, the default recipe), `world`
+(`--sft-world-frac` of the sequences are world examples), `world-skip-price` (the same, but get_price
+responses get no loss anywhere: the mechanism test, its get_price fidelity should stay near chance).
+Writes one JSON per arm to --results: commands, wall seconds, success, fidelity per tool.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ARMS = {"plain": [], "world": ["--sft-world-frac", "{frac}"],
+        "world-skip-price": ["--sft-world-frac", "{frac}", "--sft-world-skip", "get_price"]}
+
+
+def run(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return time.perf_counter() - t0
+
+
+def per_tool(trajectories: Path) -> dict:
+    import reward
+    pairs = [(f["call"]["name"], f) for line in trajectories.read_text().splitlines()
+             for f in json.loads(line)["fidelity"]]
+    return reward.fidelity_by_tool(reward.fidelity_sums(pairs))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--world-frac", type=float, default=0.25)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=32, help="held-out test tasks evaluated")
+    ap.add_argument("--runs", default="runs/warm_start_world")
+    ap.add_argument("--results", default="results/warm_start_world")
+    args = ap.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        ap.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    for arm in arms:
+        out = Path(args.runs) / f"{arm}-{args.sft_steps}"
+        train_cmd = [sys.executable, "train.py", "--steps", "0", "--sft-steps", str(args.sft_steps), "--seed",
+                     str(args.seed), "--out", str(out), "--overwrite", "--save-every", str(args.sft_steps),
+                     *[a.format(frac=args.world_frac) for a in ARMS[arm]]]
+        t_train = run(train_cmd)
+        ckpt = out / (out / "latest").read_text().strip()
+        eval_cmd = [sys.executable, "evaluate.py", "--model", str(ckpt), "--limit", str(args.limit), "--fidelity",
+                    "--seed", str(args.seed), "--out", str(out / "eval")]
+        t_eval = run(eval_cmd)
+        summary = json.loads((out / "eval" / "summary.json").read_text())
+        (trajs,) = sorted((out / "eval").glob("trajectories_B0_*.jsonl"))
+        b0 = summary["runs"]["B=0"]
+        result = {"arm": arm, "sft_steps": args.sft_steps, "seed": args.seed, "tasks": args.limit,
+                  "train_command": " ".join(train_cmd[1:]), "eval_command": " ".join(eval_cmd[1:]),
+                  "train_seconds": round(t_train, 1), "eval_seconds": round(t_eval, 1),
+                  "host": f"{platform.machine()}, 2 cores of a shared host, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+                  "success_B0": b0["overall"]["success"], "fidelity": b0.get("fidelity"),
+                  "fidelity_by_tool": per_tool(trajs)}
+        path = Path(args.results) / f"{arm}-{args.sft_steps}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
