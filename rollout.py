@@ -156,6 +156,14 @@ def role_mask(roles: torch.Tensor, train_roles) -> torch.Tensor:
     return mask
 
 
+def role_weights(roles: torch.Tensor, train_roles, weights: dict) -> torch.Tensor:
+    """The loss weight of each token: weights[role name] (default 1) where role_mask is True, else 0."""
+    out = torch.zeros(roles.shape, dtype=torch.float32, device=roles.device)
+    for role in train_roles:
+        out = torch.where(roles == int(role), float(weights.get(Role(role).name.lower(), 1.0)), out)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Configuration and results
 

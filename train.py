@@ -10,6 +10,7 @@ tool response; `--env real` is the standard environment-interaction GRPO baselin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from rollout import Role, role_mask
+from rollout import Role, role_mask, role_weights
 
 # ----------------------------------------------------------------------------------------------------------
 # Role-masked token log-probs, chunked (the full [B, T, V] float32 tensor is never built)
@@ -119,11 +120,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     batches add up to one token mean); by default this micro-batch's own count.
     Returns (loss, stats dict of floats).
     """
-    mask = role_mask(roles, train_roles)
-    weight = torch.zeros_like(logp)
-    for role in train_roles:
-        weight = torch.where(roles == int(role), cfg.role_weights.get(Role(role).name.lower(), 1.0), weight)
-    weight = weight * mask
+    mask = role_mask(roles, train_roles)                              # [B, T] bool
+    weight = role_weights(roles, train_roles, cfg.role_weights).to(logp.dtype)   # [B, T], 0 off the mask
     adv = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = torch.exp(log_ratio)
@@ -362,7 +360,7 @@ def template_kwargs(cfg: TrainConfig) -> dict | None:
 @dataclass
 class Dist:
     rank: int = 0
-    world: int = 1
+    world_size: int = 1
     device: torch.device = torch.device("cpu")
 
     @property
@@ -371,25 +369,25 @@ class Dist:
 
 
 def setup_dist() -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
-    if world == 1:
+    if world_size == 1:
         return Dist(device=torch.device("cuda" if cuda else "cpu"))
     import torch.distributed as dist
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank=dist.get_rank(), world=world, device=torch.device(f"cuda:{local}" if cuda else "cpu"))
+    return Dist(rank=dist.get_rank(), world_size=world_size, device=torch.device(f"cuda:{local}" if cuda else "cpu"))
 
 
 def shard(model, d: Dist):
     """FSDP2: each decoder layer, then the root; bf16 compute with fp32 reduction on GPU."""
-    if d.world == 1:
+    if d.world_size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(d.device.type, (d.world,))
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if d.device.type == "cuda" else MixedPrecisionPolicy()
     for layer in model.model.layers:
@@ -422,7 +420,7 @@ class gathered_for_generation:
 
 def all_sum(values: list[float], d: Dist) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    if d.world > 1:
+    if d.world_size > 1:
         import torch.distributed as dist
         dist.all_reduce(t)
     return t.tolist()
@@ -430,10 +428,10 @@ def all_sum(values: list[float], d: Dist) -> list[float]:
 
 def gather_sums(sums: dict[str, list[float]], d: Dist) -> dict[str, list[float]]:
     """Per-key lists of sums added over ranks (keys may differ between ranks)."""
-    if d.world == 1:
+    if d.world_size == 1:
         return sums
     import torch.distributed as dist
-    parts = [None] * d.world
+    parts = [None] * d.world_size
     dist.all_gather_object(parts, sums)
     out: dict[str, list[float]] = {}
     for part in parts:
@@ -443,7 +441,7 @@ def gather_sums(sums: dict[str, list[float]], d: Dist) -> dict[str, list[float]]
 
 
 def autocast(d: Dist):
-    if d.device.type == "cuda" and d.world == 1:
+    if d.device.type == "cuda" and d.world_size == 1:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
 
@@ -469,10 +467,7 @@ def trained_weight_total(batch: Batch, train_roles, lcfg: LossConfig, d: Dist) -
     if lcfg.aggregate == "seq_mean":
         local = float(mask.any(-1).sum())
     else:
-        w = torch.zeros(batch.roles.shape)
-        for role in train_roles:
-            w = torch.where(batch.roles == int(role), lcfg.role_weights.get(Role(role).name.lower(), 1.0), w)
-        local = float((w * mask).sum())
+        local = float(role_weights(batch.roles, train_roles, lcfg.role_weights).sum())
     return max(all_sum([local], d)[0], 1e-8)
 
 
@@ -497,7 +492,7 @@ def policy_gradient(model, batch: Batch, train_roles, lcfg: LossConfig, d: Dist,
         loss, st = grpo_loss(logp, mb.old_logp[:, :width].to(d.device), mb.advantages[:, :width].to(d.device),
                              roles, train_roles, lcfg, ref, token_weight_sum=total)
         # FSDP averages gradients over ranks; the loss is already normalised globally, so undo the average
-        (loss * d.world).backward()
+        (loss * d.world_size).backward()
         m = role_mask(roles, train_roles)
         stats["loss"] += float(loss.detach())
         stats["tokens"] += st["tokens"]
@@ -595,7 +590,7 @@ def sft_loss(model, seqs: list[tuple[list[int], list[int]]], train_roles, d: Dis
     with autocast(d):
         logp = token_logprobs(model, ids, mask, (roles != Role.PAD).long(), 1.0, chunk_size)
     loss = -(logp * mask).sum() / total
-    (loss * d.world).backward()
+    (loss * d.world_size).backward()
     return all_sum([float(loss.detach())], d)[0], int(all_sum([float(mask.sum())], d)[0])
 
 
@@ -626,7 +621,7 @@ def save_model_folder(model, tok, folder: Path, d: Dist, template_kwargs: dict |
     import torch.distributed as dist
 
     import policy
-    if d.world > 1:
+    if d.world_size > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         dist.barrier()
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -636,7 +631,7 @@ def save_model_folder(model, tok, folder: Path, d: Dist, template_kwargs: dict |
         model.save_pretrained(folder, state_dict=full) if full is not None else model.save_pretrained(folder)
         tok.save_pretrained(folder)
         policy.save_template_kwargs(folder, template_kwargs or {})
-    if d.world > 1:
+    if d.world_size > 1:
         dist.barrier()
 
 
@@ -688,10 +683,10 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
         tmp.mkdir(parents=True)
     save_model_folder(model, tok, tmp, d, template_kwargs)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
-    if d.world > 1:
+    if d.world_size > 1:
         dist.barrier()
     if d.main:
-        state = {"step": step, "world_size": d.world, "config": asdict(cfg), **extra}
+        state = {"step": step, "world_size": d.world_size, "config": asdict(cfg), **extra}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -702,7 +697,7 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
                     trash = old.with_name(f".trash-{old.name}")
                     os.replace(old, trash)
                     shutil.rmtree(trash, ignore_errors=True)
-    if d.world > 1:
+    if d.world_size > 1:
         dist.barrier()
     return final
 
@@ -756,12 +751,86 @@ class MetricsLog:
 # The loop
 
 
+def subconfig(cls, cfg, **overrides):
+    """A dataclass (SamplingConfig, LossConfig) filled from TrainConfig's fields of the same name."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{**{k: v for k, v in asdict(cfg).items() if k in names}, **overrides})
+
+
+@dataclass
+class Trainer:
+    """What the loop needs, built once by `setup`: the run's config, model, optimizer, data and logs."""
+    cfg: TrainConfig
+    d: Dist
+    run: Path
+    bench: object
+    tasks: list
+    engine: object                 # rollout.Engine over the (sharded) model
+    model: object
+    optimizer: object
+    make_env: object
+    loss_cfg: LossConfig
+    sampling: object               # rollout.SamplingConfig for GRPO rollouts (the seed is set per step)
+    train_roles: list
+    sft_roles: list
+    world_skip: frozenset
+    metrics: MetricsLog | None
+    samples: MetricsLog | None
+    ref_model: object = None       # the frozen KL reference, made when GRPO begins
+
+
 def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
-    import reward
+    """The loop: a supervised warm start (sft_step), then GRPO (grpo_step); metrics, checkpoints, Ctrl-C."""
+    from tqdm import tqdm
+
+    t, start_step = setup(cfg, resume)
+    cfg, d = t.cfg, t.d
+    total_steps = cfg.sft_steps + cfg.steps
+    stop = {"flag": False}
+
+    def on_sigint(signum, frame):
+        stop["flag"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # a second Ctrl-C stops at once
+        print("\ninterrupt: finishing this step, saving a checkpoint, then exiting", file=sys.stderr)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    bad_steps = 0
+    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not d.main,
+               desc="train", dynamic_ncols=True)
+    for step in bar:
+        t_step = time.perf_counter()
+        pick = random.Random(cfg.seed * 1_000_003 + step)      # the step's task draw, the same on resume
+        phase = "sft" if step < cfg.sft_steps else "grpo"
+        record, ok = (sft_step if phase == "sft" else grpo_step)(t, step, pick)
+        bad_steps = 0 if ok else bad_steps + 1
+        record.update(step=step, phase=phase, skipped_update=not ok, t_step=time.perf_counter() - t_step)
+        if t.metrics is not None:
+            t.metrics.write(record)
+            bar.set_postfix(progress_fields(record))
+        if not ok:
+            print(f"warning: step {step}: non-finite loss or gradient; update skipped "
+                  f"({bad_steps} in a row)", file=sys.stderr)
+            if bad_steps >= cfg.max_bad_steps:
+                raise FloatingPointError(f"{bad_steps} consecutive steps had a non-finite loss or gradient; "
+                                         "stopping. Lower --lr or --sft-lr, or check the data")
+        done = step + 1
+        if done % cfg.save_every == 0 or done == total_steps or stop["flag"]:
+            save_checkpoint(t.run, done, t.model, t.engine.tok, t.optimizer, cfg, d, {"phase": phase},
+                            t.engine.template_kwargs)
+        if stop["flag"]:
+            break
+    bar.close()
+    if d.world_size > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return t.run
+
+
+def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
+    """Check the run folder, resolve the config, load data, model, optimizer state and logs."""
     import rollout
     from bench import load_bench
     from cli import load_engine
-    from tqdm import tqdm
 
     d = setup_dist()
     run = Path(cfg.out)
@@ -770,9 +839,9 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         ckpt = latest_checkpoint(resume)
         state = read_state(ckpt)
         start_step = state["step"]
-        if state.get("world_size", 1) != d.world:
+        if state.get("world_size", 1) != d.world_size:
             raise CheckpointError(f"{ckpt} was written by {state.get('world_size')} processes; resume it with "
-                                  f"the same --nproc_per_node (got {d.world})")
+                                  f"the same --nproc_per_node (got {d.world_size})")
     elif run.exists() and not run.is_dir():
         raise ConfigError(f"--out {run} exists and is not a folder; pass a folder path for the run")
     elif run.exists() and any(run.iterdir()) and not cfg.overwrite:
@@ -781,7 +850,6 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     cfg = cfg.resolved()
     if cfg.sft_steps + cfg.steps <= 0:
         raise ConfigError("nothing to do: --steps and --sft-steps are both 0")
-    train_roles, sft_roles = parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles)
     random.seed(cfg.seed + d.rank)
     np.random.seed(cfg.seed + d.rank)
     torch.manual_seed(cfg.seed)
@@ -799,7 +867,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     # a checkpoint carries its chat template (chat_template.jinja) and variables, so resuming reads them there
     engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
                          template_kwargs(cfg), dtype=torch.float32, device=d.device)   # fails early if unusable
-    model, tok = shard(engine.model, d), engine.tok
+    model = shard(engine.model, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, cfg.beta2))
     if ckpt is not None:
@@ -813,153 +881,120 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             shutil.rmtree(run)
         (run / "ckpt").mkdir(parents=True, exist_ok=True)
         write_atomic(run / "config.json", json.dumps(asdict(cfg), indent=1))
-    metrics = MetricsLog(run / "metrics.jsonl", keep_before_step=start_step if resume else None) if d.main else None
-    samples = MetricsLog(run / "samples.jsonl", keep_before_step=start_step if resume else None) if d.main else None
-
-    lcfg = LossConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                      kl_coef=cfg.kl_coef, aggregate=cfg.aggregate,
-                      role_weights={"act": cfg.act_weight, "world": cfg.world_weight})
-    scfg = rollout.SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                  max_world_tokens=cfg.max_world_tokens, max_turns=cfg.max_turns,
-                                  max_total_len=cfg.max_total_len)
-    # tau2/vita need a simulated user: --user-model, or by default the policy itself in its own context
+    keep = start_step if resume else None
+    metrics = MetricsLog(run / "metrics.jsonl", keep_before_step=keep) if d.main else None
+    samples = MetricsLog(run / "samples.jsonl", keep_before_step=keep) if d.main else None
+    # tau2/vita need a simulated user: --user-model (with its own template), or the policy in its own context
     user_engine = engine
-    if cfg.user_model:   # with its own template and variables, not the agent's
+    if cfg.user_model:
         user_engine = load_engine(cfg.user_model, dtype=torch.float32, device=d.device)
         user_engine.model.eval()
-    make_env = rollout.make_env_fn(bench, rollout.model_user_fn(user_engine, rollout.SamplingConfig(
-        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)))
-    total_steps = cfg.sft_steps + cfg.steps
-    ref_model = None
-    stop = {"flag": False}
+    make_env = rollout.make_env_fn(bench, rollout.model_user_fn(
+        user_engine, subconfig(rollout.SamplingConfig, cfg, max_new_tokens=256, max_world_tokens=128,
+                               max_turns=8, max_total_len=4096)))
+    loss_cfg = subconfig(LossConfig, cfg, role_weights={"act": cfg.act_weight, "world": cfg.world_weight})
+    return Trainer(cfg=cfg, d=d, run=run, bench=bench, tasks=tasks, engine=engine, model=model,
+                   optimizer=optimizer, make_env=make_env, loss_cfg=loss_cfg,
+                   sampling=subconfig(rollout.SamplingConfig, cfg), train_roles=parse_roles(cfg.train_roles),
+                   sft_roles=parse_roles(cfg.sft_roles), world_skip=world_skip, metrics=metrics,
+                   samples=samples), start_step
 
-    def on_sigint(signum, frame):
-        stop["flag"] = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)   # a second Ctrl-C stops at once
-        print("\ninterrupt: finishing this step, saving a checkpoint, then exiting", file=sys.stderr)
 
-    signal.signal(signal.SIGINT, on_sigint)
-    bad_steps = 0
-    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not d.main,
-               desc="train", dynamic_ncols=True)
-    step = start_step
-    for step in bar:
-        t_step = time.perf_counter()
-        pick = random.Random(cfg.seed * 1_000_003 + step)
-        phase = "sft" if step < cfg.sft_steps else "grpo"
-        record = {"step": step, "phase": phase}
-        if phase == "sft":
-            for g in optimizer.param_groups:
-                g["lr"] = cfg.sft_lr * min(1.0, (step + 1) / max(cfg.sft_warmup, 1))
-            batch_tasks = pick.sample(tasks, min(cfg.sft_batch, len(tasks)))[d.rank::d.world]
-            seqs = [sft_sequence(engine, bench, t, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac, world_skip)
-                    for t in batch_tasks]
-            model.train()
-            loss, n_tok = sft_loss(model, seqs, sft_roles, d, tok.pad_token_id, cfg.chunk_size)
-            norm, ok = optimizer_step(model, optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)
-            if not ok:
-                optimizer.zero_grad(set_to_none=True)
-            record.update(loss=loss, tokens=n_tok, grad_norm=norm)
-        else:
-            for g in optimizer.param_groups:
-                g["lr"] = cfg.lr
-            if cfg.kl_coef > 0 and ref_model is None:
-                ref_model = reference_model(model, tok, run, d)
-            batch_tasks = pick.sample(tasks, min(cfg.tasks_per_step, len(tasks)))[d.rank::d.world]
-            model.eval()
-            t0 = time.perf_counter()
-            with (gathered_for_generation(model) if d.world > 1 else torch.autocast("cpu", enabled=False)):
-                with autocast(d):
-                    ro = engine.run(batch_tasks, cfg.group_size,
-                                    rollout.SamplingConfig(**{**scfg.__dict__, "seed": cfg.seed * 7919 + step * d.world + d.rank}),
-                                    make_env=make_env, responses=cfg.env)
-            t_rollout = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty,
-                                               cfg.reward)
-                      for ti, tr, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
-            t_reward = time.perf_counter() - t0
-            # verifier-side world-model fidelity per tool (replays the calls; nothing reaches the policy)
-            fid_sums = reward.fidelity_sums(pair for ti, tr in zip(ro.task_index, ro.trajectories)
-                                            for pair in reward.rehearsal_fidelity(cfg.bench, batch_tasks[ti], tr))
-            t_fidelity = time.perf_counter() - t0 - t_reward
-            rewards = torch.tensor([s.reward for s in scores])
-            groups = torch.tensor([d.rank * 100_000 + i for i in ro.task_index])
-            adv, flat = role_advantages(rewards, groups, ro.roles, train_roles, cfg.scale_std, cfg.per_role_adv)
-            ref_logp = None
-            if ref_model is not None:
-                with torch.no_grad(), autocast(d):
-                    ref_logp = token_logprobs(ref_model, ro.ids.to(d.device), role_mask(ro.roles, train_roles).to(d.device),
-                                              (ro.roles != Role.PAD).long().to(d.device), cfg.temperature,
-                                              cfg.chunk_size).cpu()
-            batch = Batch(ro.ids, ro.roles, ro.logprobs, adv)
-            weight_total = trained_weight_total(batch, train_roles, lcfg, d)
-            if ref_logp is None and d.world == 1:
-                # rows whose advantages are all 0 add no gradient: skip their forward (the loss denominator
-                # still counts them). Under FSDP every rank must run the same passes, so nothing is skipped.
-                batch = batch.rows(torch.nonzero((adv != 0).any(-1)).flatten())
-            model.train()
-            t0 = time.perf_counter()
-            pg, norms, ok = {}, [], True
-            for _ in range(cfg.updates_per_batch):
-                pg = policy_gradient(model, batch, train_roles, lcfg, d, cfg.micro_batch, cfg.temperature,
-                                     cfg.chunk_size, ref_logp, weight_total)
-                if not math.isfinite(pg["loss"]):
-                    optimizer.zero_grad(set_to_none=True)
-                    ok = False
-                    break
-                norm, ok = optimizer_step(model, optimizer, cfg.grad_clip)
-                norms.append(norm)
-                if not ok:
-                    break
-            t_update = time.perf_counter() - t0
-            n_rows = len(scores)
-            succ = [s.components.get("success", s.reward) for s in scores]
-            sums = all_sum([float(rewards.sum()), float(sum(succ)), n_rows, flat, ro.stats["act_tokens"],
-                            ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects),
-                            ro.stats["tokens_sampled"],
-                            sum(bool(s.components.get("evaluator_error")) for s in scores),
-                            len(set(ro.task_index))], d)
-            record.update(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
-                          flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
-                          rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
-                          loss=pg.get("loss"), kl=pg.get("kl"),
-                          clip_frac=pg.get("clip_frac"), logp_mismatch=pg.get("logp_mismatch"),
-                          grad_norm=norms[-1] if norms else float("nan"),
-                          tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world,
-                          t_rollout=t_rollout, t_reward=t_reward, t_fidelity=t_fidelity, t_update=t_update,
-                          end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)})
-            record["flat_group_share"] = sums[3] / max(1.0, sums[9])   # groups whose rewards are all equal
-            for tool, f in reward.fidelity_by_tool(gather_sums(fid_sums, d)).items():
-                record[f"fidelity_n/{tool}"] = f["calls"]
-                record[f"fidelity_exact/{tool}"] = f["exact"]
-                record[f"fidelity_kv/{tool}"] = f["kv"]
-                record[f"fidelity_error/{tool}"] = f["error_correct"]
-            if samples is not None and ro.ids.shape[0]:
-                samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
-                               "text": rollout.describe_row(ro, tok, 0)})
-        bad_steps = 0 if ok else bad_steps + 1
-        record["skipped_update"] = not ok
-        record["t_step"] = time.perf_counter() - t_step
-        if metrics is not None:
-            metrics.write(record)
-            bar.set_postfix(progress_fields(record))
-        if not ok:
-            print(f"warning: step {step}: non-finite loss or gradient; update skipped "
-                  f"({bad_steps} in a row)", file=sys.stderr)
-            if bad_steps >= cfg.max_bad_steps:
-                raise FloatingPointError(f"{bad_steps} consecutive steps had a non-finite loss or gradient; "
-                                         "stopping. Lower --lr or --sft-lr, or check the data")
-        done = step + 1
-        if done % cfg.save_every == 0 or done == total_steps or stop["flag"]:
-            save_checkpoint(run, done, model, tok, optimizer, cfg, d, {"phase": phase}, engine.template_kwargs)
-        if stop["flag"]:
+def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
+    """One supervised warm-start step on reference chats (and rehearsal-format / world examples)."""
+    cfg, d = t.cfg, t.d
+    for g in t.optimizer.param_groups:
+        g["lr"] = cfg.sft_lr * min(1.0, (step + 1) / max(cfg.sft_warmup, 1))
+    batch_tasks = pick.sample(t.tasks, min(cfg.sft_batch, len(t.tasks)))[d.rank::d.world_size]
+    seqs = [sft_sequence(t.engine, t.bench, task, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac, t.world_skip)
+            for task in batch_tasks]
+    t.model.train()
+    loss, n_tok = sft_loss(t.model, seqs, t.sft_roles, d, t.engine.tok.pad_token_id, cfg.chunk_size)
+    norm, ok = optimizer_step(t.model, t.optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)
+    if not ok:
+        t.optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "tokens": n_tok, "grad_norm": norm}, ok
+
+
+def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
+    """One GRPO step: roll out G trajectories per task, score them with the verifier, update the policy."""
+    import reward
+    import rollout
+    cfg, d = t.cfg, t.d
+    for g in t.optimizer.param_groups:
+        g["lr"] = cfg.lr
+    if cfg.kl_coef > 0 and t.ref_model is None:
+        t.ref_model = reference_model(t.model, t.engine.tok, t.run, d)
+    batch_tasks = pick.sample(t.tasks, min(cfg.tasks_per_step, len(t.tasks)))[d.rank::d.world_size]
+    t.model.eval()
+    t0 = time.perf_counter()
+    seed = cfg.seed * 7919 + step * d.world_size + d.rank
+    with (gathered_for_generation(t.model) if d.world_size > 1 else torch.autocast("cpu", enabled=False)):
+        with autocast(d):
+            ro = t.engine.run(batch_tasks, cfg.group_size, dataclasses.replace(t.sampling, seed=seed),
+                              make_env=t.make_env, responses=cfg.env)
+    t_rollout = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty, cfg.reward)
+              for ti, tr, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
+    t_reward = time.perf_counter() - t0
+    # verifier-side world-model fidelity per tool (replays the calls; nothing reaches the policy)
+    fid_sums = reward.fidelity_sums(pair for ti, tr in zip(ro.task_index, ro.trajectories)
+                                    for pair in reward.rehearsal_fidelity(cfg.bench, batch_tasks[ti], tr))
+    t_fidelity = time.perf_counter() - t0 - t_reward
+    rewards = torch.tensor([s.reward for s in scores])                          # [B]
+    groups = torch.tensor([d.rank * 100_000 + i for i in ro.task_index])        # [B] the task of each row
+    adv, flat = role_advantages(rewards, groups, ro.roles, t.train_roles, cfg.scale_std, cfg.per_role_adv)
+    ref_logp = None                                                             # [B, T] under the reference
+    if t.ref_model is not None:
+        with torch.no_grad(), autocast(d):
+            ref_logp = token_logprobs(t.ref_model, ro.ids.to(d.device),
+                                      role_mask(ro.roles, t.train_roles).to(d.device),
+                                      (ro.roles != Role.PAD).long().to(d.device), cfg.temperature,
+                                      cfg.chunk_size).cpu()
+    batch = Batch(ro.ids, ro.roles, ro.logprobs, adv)
+    weight_total = trained_weight_total(batch, t.train_roles, t.loss_cfg, d)
+    if ref_logp is None and d.world_size == 1:
+        # rows whose advantages are all 0 add no gradient: skip their forward (the loss denominator
+        # still counts them). Under FSDP every rank must run the same passes, so nothing is skipped.
+        batch = batch.rows(torch.nonzero((adv != 0).any(-1)).flatten())
+    t.model.train()
+    t0 = time.perf_counter()
+    pg, norms, ok = {}, [], True
+    for _ in range(cfg.updates_per_batch):
+        pg = policy_gradient(t.model, batch, t.train_roles, t.loss_cfg, d, cfg.micro_batch, cfg.temperature,
+                             cfg.chunk_size, ref_logp, weight_total)
+        if not math.isfinite(pg["loss"]):
+            t.optimizer.zero_grad(set_to_none=True)
+            ok = False
             break
-    bar.close()
-    if d.world > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
-    return run
+        norm, ok = optimizer_step(t.model, t.optimizer, cfg.grad_clip)
+        norms.append(norm)
+        if not ok:
+            break
+    t_update = time.perf_counter() - t0
+    succ = [s.components.get("success", s.reward) for s in scores]
+    sums = all_sum([float(rewards.sum()), float(sum(succ)), len(scores), flat, ro.stats["act_tokens"],
+                    ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects), ro.stats["tokens_sampled"],
+                    sum(bool(s.components.get("evaluator_error")) for s in scores), len(set(ro.task_index))], d)
+    record = dict(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
+                  flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
+                  rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
+                  loss=pg.get("loss"), kl=pg.get("kl"), clip_frac=pg.get("clip_frac"),
+                  logp_mismatch=pg.get("logp_mismatch"), grad_norm=norms[-1] if norms else float("nan"),
+                  tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world_size,
+                  t_rollout=t_rollout, t_reward=t_reward, t_fidelity=t_fidelity, t_update=t_update,
+                  end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)},
+                  flat_group_share=sums[3] / max(1.0, sums[9]))      # groups whose rewards are all equal
+    for tool, f in reward.fidelity_by_tool(gather_sums(fid_sums, d)).items():
+        record[f"fidelity_n/{tool}"] = f["calls"]
+        record[f"fidelity_exact/{tool}"] = f["exact"]
+        record[f"fidelity_kv/{tool}"] = f["kv"]
+        record[f"fidelity_error/{tool}"] = f["error_correct"]
+    if t.samples is not None and ro.ids.shape[0]:
+        t.samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
+                         "text": rollout.describe_row(ro, t.engine.tok, 0)})
+    return record, ok
 
 
 def progress_fields(record: dict) -> dict:

@@ -28,7 +28,7 @@ def main(model_path, out_path):
     roles[:, :5] = Role.PROMPT
     roles[1, 30:] = Role.PAD
     batch = train.Batch(ids, roles, -torch.rand(B, T, generator=g), torch.randn(B, T, generator=g))
-    mine = batch.rows(slice(d.rank, None, d.world))
+    mine = batch.rows(slice(d.rank, None, d.world_size))
     lcfg = train.LossConfig()
     losses = []
     for _ in range(3):
@@ -37,8 +37,8 @@ def main(model_path, out_path):
         train.optimizer_step(model, opt, 1.0)
         losses.append(st["loss"])
     model.eval()
-    with train.gathered_for_generation(model) if d.world > 1 else torch.no_grad():
-        ro = engine.run(tasks(2)[d.rank::d.world] if d.world > 1 else tasks(2), 1,
+    with train.gathered_for_generation(model) if d.world_size > 1 else torch.no_grad():
+        ro = engine.run(tasks(2)[d.rank::d.world_size] if d.world_size > 1 else tasks(2), 1,
                         rollout.SamplingConfig(greedy=True, max_new_tokens=12), responses="rehearse")
     # an update after a rollout, as every GRPO step does: the root must again keep its parameters after forward
     model.train()
@@ -46,7 +46,7 @@ def main(model_path, out_path):
                                chunk_size=16)
     train.optimizer_step(model, opt, 1.0)
     losses.append(st["loss"])
-    if d.world > 1:
+    if d.world_size > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
@@ -56,9 +56,9 @@ def main(model_path, out_path):
         json.dump({"losses": losses, "params": {k: v.float().flatten()[:64].tolist() for k, v in sd.items()},
                    "param_sums": {k: float(v.double().sum()) for k, v in sd.items()}, "gen": gen},
                   open(out_path, "w"))
-    if d.world > 1:
+    if d.world_size > 1:
         import torch.distributed as dist
-        gens = [None] * d.world
+        gens = [None] * d.world_size
         dist.all_gather_object(gens, gen)
         if d.main:
             rec = json.load(open(out_path))

@@ -321,3 +321,17 @@ def test_progress_bar_shows_reward_success_flat_share_and_exact_fidelity_over_th
     assert train.progress_fields(record) == {"loss": 0.123, "reward": 0.5, "success": 0.25, "flat": 0.75,
                                              "fid": 0.5}   # (1 + 1) exact of 4 rehearsed calls
     assert train.progress_fields({"step": 0, "phase": "sft", "loss": 2.0}) == {"loss": 2.0}
+
+
+def test_role_weights_and_subconfigs_follow_the_config():
+    """Per-role loss weights come from one function beside role_mask; sub-configs are filled by field name."""
+    import rollout
+    roles = torch.tensor([[Role.PROMPT, Role.ACT, Role.WORLD, Role.OBS, Role.ACT, Role.PAD]])
+    w = rollout.role_weights(roles, [Role.ACT, Role.WORLD], {"act": 1.0, "world": 0.5})
+    assert w.tolist() == [[0.0, 1.0, 0.5, 0.0, 1.0, 0.0]]
+    assert torch.equal(w > 0, rollout.role_mask(roles, [Role.ACT, Role.WORLD]))
+    cfg = train.TrainConfig(clip_high=0.28, temperature=0.7, max_turns=5, kl_coef=0.01)
+    loss_cfg = train.subconfig(train.LossConfig, cfg, role_weights={"act": 2.0})
+    assert (loss_cfg.clip_high, loss_cfg.kl_coef, loss_cfg.role_weights) == (0.28, 0.01, {"act": 2.0})
+    sampling = train.subconfig(rollout.SamplingConfig, cfg, max_turns=9)
+    assert (sampling.temperature, sampling.max_turns, sampling.seed) == (0.7, 9, cfg.seed)
