@@ -637,21 +637,12 @@ def save_model_folder(model, tok, folder: Path, d: Dist, template_kwargs: dict |
 
 def reference_model(model, tok, run: Path, d: Dist):
     """The frozen KL reference: the policy as GRPO began (the end of the warm start). It is written once to
-    RUN/reference/ (temp folder, then renamed) and loaded from there on --resume, so a resumed run keeps the
-    reference of the uninterrupted one instead of taking the policy it resumed from."""
-    import copy
-
+    RUN/reference/ (temp folder, then renamed; gathered from the shards under FSDP) and always loaded back
+    from there, so a resumed run keeps the reference of the uninterrupted one, bit for bit, instead of taking
+    the policy it resumed from (and no sharded model is ever deep-copied, which FSDP2 does not support)."""
     import policy
     folder = run / "reference"
-    if (folder / "config.json").exists():
-        try:
-            ref, _ = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
-        except policy.PolicyLoadError as exc:
-            raise CheckpointError(f"cannot load the KL reference {folder} ({exc}); delete it to take the "
-                                  "resumed policy as the reference") from exc
-        ref = shard(ref, d)
-    else:
-        ref = copy.deepcopy(model)
+    if not (folder / "config.json").exists():
         tmp = run / ".reference.tmp"
         if d.main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -659,6 +650,15 @@ def reference_model(model, tok, run: Path, d: Dist):
         save_model_folder(model, tok, tmp, d)
         if d.main:
             os.replace(tmp, folder)
+        if d.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier()
+    try:
+        ref, _ = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
+    except policy.PolicyLoadError as exc:
+        raise CheckpointError(f"cannot load the KL reference {folder} ({exc}); delete it to take the "
+                              "resumed policy as the reference") from exc
+    ref = shard(ref, d)
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref.eval()
