@@ -134,13 +134,14 @@ def test_grpo_steps_on_real_weights_resume_like_the_uninterrupted_run(smol_run, 
     last = smol_run / "ckpt" / "step_000002"
     assert (last / "chat_template.jinja").read_text() == policy.CHAT_TEMPLATE   # the replaced template travels
     assert json.loads((last / policy.TEMPLATE_KWARGS_FILE).read_text()) == KWARGS
-    # what a run killed after step 1 leaves (checkpoints are published atomically, `latest` last); metrics
-    # records past the checkpoint are dropped on resume
+    # what a run killed after step 1 leaves (checkpoints are published atomically, `latest` last; the KL
+    # reference written when GRPO began); metrics records past the checkpoint are dropped on resume
     part = tmp_path / "part"
     (part / "ckpt").mkdir(parents=True)
     for name in ("config.json", "metrics.jsonl"):
         shutil.copy(smol_run / name, part / name)
     shutil.copytree(smol_run / "ckpt" / "step_000001", part / "ckpt" / "step_000001", copy_function=os.link)
+    shutil.copytree(smol_run / "reference", part / "reference", copy_function=os.link)   # the KL reference
     (part / "latest").write_text("ckpt/step_000001\n")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(reward, "trajectory_reward", alternating_rewards())
