@@ -93,6 +93,8 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=32, help="held-out test tasks evaluated")
     ap.add_argument("--runs", default="runs/warm_start_world")
     ap.add_argument("--results", default="results/warm_start_world")
+    ap.add_argument("--continue-from", type=int, default=0,
+                    help="continue each arm's run of this many warm-start steps (copied) up to --sft-steps")
     ap.add_argument("--probe-only", action="store_true",
                     help="skip training and evaluation; add the fixed-call probes to the arms' existing results")
     args = ap.parse_args(argv)
@@ -116,9 +118,16 @@ def main(argv=None):
             path.write_text(json.dumps(result, indent=1) + "\n")
             print(json.dumps(result["probe_fidelity"], indent=1))
             continue
-        train_cmd = [sys.executable, "train.py", "--steps", "0", "--sft-steps", str(args.sft_steps), "--seed",
-                     str(args.seed), "--out", str(out), "--overwrite", "--save-every", str(args.sft_steps),
-                     *[a.format(frac=args.world_frac) for a in ARMS[arm]]]
+        if args.continue_from:   # the same warm start, longer: a copy of the shorter run, resumed
+            import shutil
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(Path(args.runs) / f"{arm}-{args.continue_from}", out, ignore=shutil.ignore_patterns("eval"))
+            train_cmd = [sys.executable, "train.py", "--resume", str(out), "--sft-steps", str(args.sft_steps),
+                         "--save-every", str(args.sft_steps - args.continue_from)]
+        else:
+            train_cmd = [sys.executable, "train.py", "--steps", "0", "--sft-steps", str(args.sft_steps), "--seed",
+                         str(args.seed), "--out", str(out), "--overwrite", "--save-every", str(args.sft_steps),
+                         *[a.format(frac=args.world_frac) for a in ARMS[arm]]]
         t_train = run(train_cmd)
         ckpt = out / (out / "latest").read_text().strip()
         eval_cmd = [sys.executable, "evaluate.py", "--model", str(ckpt), "--limit", str(args.limit), "--fidelity",
@@ -127,7 +136,7 @@ def main(argv=None):
         summary = json.loads((out / "eval" / "summary.json").read_text())
         (trajs,) = sorted((out / "eval").glob("trajectories_B0_*.jsonl"))
         b0 = summary["runs"]["B=0"]
-        result = {"arm": arm, "sft_steps": args.sft_steps, "seed": args.seed, "tasks": args.limit,
+        result = {"arm": arm, "sft_steps": args.sft_steps, "continued_from": args.continue_from or None, "seed": args.seed, "tasks": args.limit,
                   "train_command": " ".join(train_cmd[1:]), "eval_command": " ".join(eval_cmd[1:]),
                   "train_seconds": round(t_train, 1), "eval_seconds": round(t_eval, 1),
                   "host": f"{platform.machine()}, 2 cores of a shared host, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
