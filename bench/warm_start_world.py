@@ -8,7 +8,11 @@ on held-out test tasks with the fidelity probe on (every real call is also rehea
 compared with the real response). Arms: `plain` (reference chats only, the default recipe), `world`
 (`--sft-world-frac` of the sequences are world examples), `world-skip-price` (the same, but get_price
 responses get no loss anywhere: the mechanism test, its get_price fidelity should stay near chance).
-Writes one JSON per arm to --results: commands, wall seconds, success, fidelity per tool.
+Then two fixed-call probes on the same held-out tasks, independent of how the policy acts (`probe_fidelity`):
+the reference chat's gold calls, and random valid and invalid calls (toyworld.world_examples), each response
+written greedily given the real responses before it. Writes one JSON per arm to --results: commands, wall
+seconds, success, fidelity per tool on the policy's own calls and on the probes. `--probe-only` adds the
+probes to existing results.
 """
 from __future__ import annotations
 
@@ -41,6 +45,45 @@ def per_tool(trajectories: Path) -> dict:
     return reward.fidelity_by_tool(reward.fidelity_sums(pairs))
 
 
+def probe_fidelity(checkpoint: str, tasks, kind: str, seed: int) -> dict:
+    """Fidelity per tool on fixed calls, independent of how the policy acts: for each held-out task, every
+    call of a fixed chat (kind "gold": the reference chat; "random": toyworld.world_examples, valid and
+    invalid calls) is given with the real responses before it, and the policy writes that call's response
+    greedily, up to the closing tag; compared with the real one (rehearse.fidelity). Per tool, and split by
+    whether the real response is an error."""
+    import random
+
+    import torch
+
+    import policy
+    import reward
+    import rollout
+    from bench import toyworld
+    from rehearse import fidelity
+    model, tok = policy.load_policy(checkpoint)
+    eng = rollout.Engine(model.eval(), tok)
+    fmt, pairs = eng.fmt, []
+    for i, task in enumerate(tasks):
+        chat = toyworld.reference_trajectory(task)[:-1] if kind == "gold" else \
+            toyworld.world_examples(task, random.Random(seed * 100_003 + i), 3)
+        for k, m in enumerate(chat):
+            if m["role"] != "tool":
+                continue
+            ids, _ = rollout.encode_conversation(eng, task, chat[:k])
+            ids += fmt.encode([(fmt.after_eos + fmt.tool_open, "prompt", True)])[0]
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+            text = tok.decode(out[0, len(ids):], skip_special_tokens=False)
+            terminated = fmt.world_stop in text
+            text = text[:text.index(fmt.world_stop) + len(fmt.world_stop)] if terminated else text
+            call = chat[k - 1]["tool_calls"][0]["function"]["name"]
+            pairs.append((call, fidelity(fmt.rehearsed_text(text, terminated), m["content"])))
+    by_outcome = [("real error" if f["real_error"] else "real value", f) for _, f in pairs]
+    return {"by_tool": reward.fidelity_by_tool(reward.fidelity_sums(pairs)),
+            "by_real_outcome": reward.fidelity_by_tool(reward.fidelity_sums(by_outcome))}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft-steps", type=int, default=300)
@@ -50,17 +93,41 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=32, help="held-out test tasks evaluated")
     ap.add_argument("--runs", default="runs/warm_start_world")
     ap.add_argument("--results", default="results/warm_start_world")
+    ap.add_argument("--continue-from", type=int, default=0,
+                    help="continue each arm's run of this many warm-start steps (copied) up to --sft-steps")
+    ap.add_argument("--probe-only", action="store_true",
+                    help="skip training and evaluation; add the fixed-call probes to the arms' existing results")
     args = ap.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     bad = [a for a in arms if a not in ARMS]
     if bad:
         ap.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
     Path(args.results).mkdir(parents=True, exist_ok=True)
+    from bench import toyworld
+    probe_tasks = toyworld.load_tasks("test", limit=args.limit)
     for arm in arms:
         out = Path(args.runs) / f"{arm}-{args.sft_steps}"
-        train_cmd = [sys.executable, "train.py", "--steps", "0", "--sft-steps", str(args.sft_steps), "--seed",
-                     str(args.seed), "--out", str(out), "--overwrite", "--save-every", str(args.sft_steps),
-                     *[a.format(frac=args.world_frac) for a in ARMS[arm]]]
+        path = Path(args.results) / f"{arm}-{args.sft_steps}.json"
+        if args.probe_only:
+            result = json.loads(path.read_text())
+            ckpt = out / (out / "latest").read_text().strip()
+            t0 = time.perf_counter()
+            result["probe_fidelity"] = {k: probe_fidelity(str(ckpt), probe_tasks, k, args.seed)
+                                                for k in ("gold", "random")}
+            result["probe_seconds"] = round(time.perf_counter() - t0, 1)
+            path.write_text(json.dumps(result, indent=1) + "\n")
+            print(json.dumps(result["probe_fidelity"], indent=1))
+            continue
+        if args.continue_from:   # the same warm start, longer: a copy of the shorter run, resumed
+            import shutil
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(Path(args.runs) / f"{arm}-{args.continue_from}", out, ignore=shutil.ignore_patterns("eval"))
+            train_cmd = [sys.executable, "train.py", "--resume", str(out), "--sft-steps", str(args.sft_steps),
+                         "--save-every", str(args.sft_steps - args.continue_from)]
+        else:
+            train_cmd = [sys.executable, "train.py", "--steps", "0", "--sft-steps", str(args.sft_steps), "--seed",
+                         str(args.seed), "--out", str(out), "--overwrite", "--save-every", str(args.sft_steps),
+                         *[a.format(frac=args.world_frac) for a in ARMS[arm]]]
         t_train = run(train_cmd)
         ckpt = out / (out / "latest").read_text().strip()
         eval_cmd = [sys.executable, "evaluate.py", "--model", str(ckpt), "--limit", str(args.limit), "--fidelity",
@@ -69,13 +136,14 @@ def main(argv=None):
         summary = json.loads((out / "eval" / "summary.json").read_text())
         (trajs,) = sorted((out / "eval").glob("trajectories_B0_*.jsonl"))
         b0 = summary["runs"]["B=0"]
-        result = {"arm": arm, "sft_steps": args.sft_steps, "seed": args.seed, "tasks": args.limit,
+        result = {"arm": arm, "sft_steps": args.sft_steps, "continued_from": args.continue_from or None, "seed": args.seed, "tasks": args.limit,
                   "train_command": " ".join(train_cmd[1:]), "eval_command": " ".join(eval_cmd[1:]),
                   "train_seconds": round(t_train, 1), "eval_seconds": round(t_eval, 1),
                   "host": f"{platform.machine()}, 2 cores of a shared host, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
                   "success_B0": b0["overall"]["success"], "fidelity": b0.get("fidelity"),
                   "fidelity_by_tool": per_tool(trajs)}
-        path = Path(args.results) / f"{arm}-{args.sft_steps}.json"
+        result["probe_fidelity"] = {k: probe_fidelity(str(ckpt), probe_tasks, k, args.seed)
+                                            for k in ("gold", "random")}
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
 
