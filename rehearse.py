@@ -399,20 +399,18 @@ class Rehearser:
         if not self.rcfg.fidelity:
             return None
 
+        def end(probe, stopped):    # the engine says whether the segment stopped; nothing re-derives it
+            self.predicted[item.call] = self.eng.rehearsal_text(probe.ids[probe.gen_start:], stopped)[0]
+
         def make(parent):
             probe = parent.fork(-1, 0, "fidelity")
             probe.rng = self.fidelity_rng
             parent.record.setdefault("children", []).append(probe)
             probe.plan += [copy.copy(t) for t in parent.pending]
-            probe.plan.append(Generate(Role.WORLD, self.cfg.max_world_tokens, on_end=lambda ln, stopped: None))
+            probe.plan.append(Generate(Role.WORLD, self.cfg.max_world_tokens, on_end=end))
             return [probe]
 
-        def then(parent):
-            probe = self._children(parent)[0]
-            self.predicted[item.call] = self.eng.rehearsal_text(
-                probe.ids[probe.gen_start:], probe.ids[-1] in self.eng.fmt.stop_ids
-                or self.eng.fmt.ends_with_world_stop(probe.ids[probe.gen_start:]))[0]
-        return Spawn(make, then)
+        return Spawn(make, lambda parent: self._children(parent))
 
     def after_response(self, row: Row, index: int, text: str):
         if index in self.predicted:
