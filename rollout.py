@@ -362,10 +362,6 @@ class KVBatch:
         self.lanes = [Lane(model, use_cache)] + ([Lane(world_model, use_cache)] if world_model is not None else [])
         self.forward_calls = self.tokens_fed = 0
 
-    @property
-    def logits(self) -> torch.Tensor | None:
-        return self.lanes[0].logits
-
     def logits_for(self, j: list[int], roles: list[Role]) -> torch.Tensor:
         """Next-token logits of rows j, each from the model that writes its segment's role."""
         out = self.lanes[0].logits[j]
