@@ -140,7 +140,14 @@ def build_tiny(path: Path, cfg: TinyConfig | None = None) -> Path:
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_theta=10000.0)
     model = Qwen3ForCausalLM(config)
-    model.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()      # a first-use build must not put a progress bar before a CLI's error line
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
     tok.save_pretrained(tmp)
     (tmp / "tiny_recipe.json").write_text(json.dumps({"version": TINY_FORMAT_VERSION, **asdict(cfg)}, indent=1))
     shutil.rmtree(path, ignore_errors=True)
@@ -353,6 +360,8 @@ def load_policy(name: str | Path, dtype: torch.dtype = torch.float32, device: st
     chat_template: a file whose text replaces the tokenizer's chat template (e.g. TOOLS_TEMPLATE_PATH)."""
     from transformers import AutoModelForCausalLM
 
+    if chat_template:
+        read_chat_template(chat_template)   # a bad file fails before any model is built, converted or loaded
     path = resolve_model_path(str(name))
     tok = load_tokenizer(path, chat_template)
     device = torch.device(device)
