@@ -4,12 +4,21 @@
     torchrun --nproc_per_node 8 train.py --model /ckpt/Qwen3-8B --bench tau2
 
 One step: sample tasks -> roll out G trajectories per task (rehearsal by default: the policy writes every
-tool response; `--env real` is the standard environment-interaction GRPO baseline) -> verifier reward
-(reward.py) -> group-normalised advantages -> clipped-ratio loss on the trained roles' tokens -> AdamW.
+tool response) -> verifier reward (reward.py) -> group-normalised advantages -> clipped-ratio loss on the
+trained roles' tokens -> AdamW.
+
+The paper's ablation arms (the official launch scripts in examples/drmas_trainer/):
+    --env sim --train-roles act           standard GRPO: a frozen simulator writes every tool response
+                                          (run_checklist_caller_only.sh)
+    --env rehearse --world-model separate per-role policies: a second model writes and is trained on the
+                                          WORLD tokens (run_checklist_noshare.sh)
+    --env rehearse                        EnvACE: one set of weights plays both roles (run_checklist_share.sh)
+    --env real --train-roles act          the real environment (a ceiling, not one of the paper's arms)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -184,9 +193,14 @@ class TrainConfig:
     split: str = "train"
     task_opts: str = ""              # extra load_tasks options, "key=value,key=value" (e.g. families=balance)
     out: str = "runs/tiny-toyworld"
-    env: str = "rehearse"            # rehearse (EnvACE) | real (standard GRPO with the environment)
+    env: str = "rehearse"            # where tool responses come from during GRPO: rehearse (the policy's
+                                     # world role, EnvACE) | real (the environment) | sim (a frozen simulator)
+    sim_model: str = ""              # --env sim: the frozen simulator (a local HF folder); "" = a frozen copy
+                                     # of the policy as GRPO began (kept in RUN/reference/)
+    world_model: str = "shared"      # shared: one model plays both roles (EnvACE) | separate: per-role
+                                     # policies, a second model writes and is trained on the WORLD tokens
     user_model: str = ""             # simulated user for tau2/vita (a local HF folder); "" = the policy itself
-    train_roles: str = "act,world"   # act,world (EnvACE) | act (ablation)
+    train_roles: str = "auto"        # act,world | act; auto: act,world with --env rehearse, else act
     steps: int = 30
     tasks_per_step: int = 8
     group_size: int = 4
@@ -212,7 +226,7 @@ class TrainConfig:
     world_weight: float = 1.0
     reward: str = "auto"             # checklist (fraction of rule-based items met) | success (binary task
                                      # score) | auto: checklist where the benchmark has one, else success
-    defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response
+    defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response (when WORLD is trained)
     sft_steps: int = -1              # supervised warm start on reference trajectories; -1: SFT_TINY_STEPS for tiny
     sft_batch: int = 16
     sft_lr: float = 5e-3
@@ -238,6 +252,8 @@ class TrainConfig:
             c.sft_steps = SFT_TINY_STEPS if tiny and c.bench == "toyworld" else 0
         if c.sft_rehearsal_frac < 0:   # -1: on for the tiny model, which has never seen the format otherwise
             c.sft_rehearsal_frac = 0.25 if tiny else 0.0
+        if c.train_roles == "auto":
+            c.train_roles = "act,world" if c.env == "rehearse" else "act"
         if c.reward == "auto":
             import reward
             c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
@@ -288,15 +304,28 @@ def validate(cfg: TrainConfig):
     from bench import BENCHES, load_bench
     if cfg.bench not in BENCHES:
         raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
-    if cfg.env not in ("rehearse", "real"):
-        raise ConfigError(f"--env must be rehearse or real, not {cfg.env!r}")
+    if cfg.env not in ("rehearse", "real", "sim"):
+        raise ConfigError(f"--env must be rehearse, real or sim, not {cfg.env!r}")
+    if cfg.world_model not in ("shared", "separate"):
+        raise ConfigError(f"--world-model must be shared or separate, not {cfg.world_model!r}")
+    roles = set(parse_roles(cfg.train_roles)) if cfg.train_roles != "auto" else set()
+    if cfg.env == "sim" and Role.WORLD in roles:
+        raise ConfigError("--env sim: the frozen simulator's WORLD tokens are never trained; use --train-roles act "
+                          "(the default with --env sim)")
+    if cfg.sim_model and cfg.env != "sim":
+        raise ConfigError(f"--sim-model is the frozen simulator of --env sim; it has no use with --env {cfg.env}")
+    if cfg.sim_model and not Path(cfg.sim_model).exists():
+        raise ConfigError(f"--sim-model {cfg.sim_model}: no such file or folder")
+    if cfg.world_model == "separate" and (cfg.env != "rehearse" or roles and Role.WORLD not in roles):
+        raise ConfigError("--world-model separate trains a second model on the WORLD tokens it writes: it needs "
+                          "--env rehearse and WORLD among --train-roles (for an untrained simulator use --env sim)")
     import reward
     if cfg.reward not in (*reward.REWARD_KINDS, "auto"):
         raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)} or auto, not {cfg.reward!r}")
     if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
         raise ConfigError(f"--reward checklist: benchmark {cfg.bench!r} has no rule-based checklist (toyworld, "
                           "tau2 and bfcl do); use --reward success")
-    parse_roles(cfg.train_roles), parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
+    parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
     if cfg.steps < 0:
         raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
     positive = ["tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
@@ -635,12 +664,12 @@ def save_model_folder(model, tok, folder: Path, d: Dist, template_kwargs: dict |
         dist.barrier()
 
 
-def reference_model(model, tok, run: Path, d: Dist):
-    """The frozen KL reference: the policy as GRPO began (the end of the warm start). It is written once to
-    RUN/reference/ (temp folder, then renamed; gathered from the shards under FSDP) and always loaded back
-    from there, so a resumed run keeps the reference of the uninterrupted one, bit for bit, instead of taking
-    the policy it resumed from (and no sharded model is ever deep-copied, which FSDP2 does not support)."""
-    import policy
+def grpo_start_snapshot(model, tok, run: Path, d: Dist) -> Path:
+    """RUN/reference/: the policy as GRPO began (the end of the warm start), written once (temp folder, then
+    renamed; gathered from the shards under FSDP). The KL reference, the default frozen simulator and the
+    separate world model's starting point are all loaded back from it, so a resumed run gets the models of
+    the uninterrupted one, bit for bit, instead of the policy it resumed from (and no sharded model is ever
+    deep-copied, which FSDP2 does not support)."""
     folder = run / "reference"
     if not (folder / "config.json").exists():
         tmp = run / ".reference.tmp"
@@ -653,21 +682,45 @@ def reference_model(model, tok, run: Path, d: Dist):
         if d.world_size > 1:
             import torch.distributed as dist
             dist.barrier()
+    return folder
+
+
+def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = False):
+    """A model from an HF folder, sharded like the policy; frozen (eval, no gradients) unless trainable.
+    With `tok` (the policy's tokenizer), a model with another vocabulary is refused: both models read one
+    token sequence."""
+    import policy
     try:
-        ref, _ = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
+        model, its_tok = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
     except policy.PolicyLoadError as exc:
-        raise CheckpointError(f"cannot load the KL reference {folder} ({exc}); delete it to take the "
-                              "resumed policy as the reference") from exc
-    ref = shard(ref, d)
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref.eval()
+        raise CheckpointError(f"cannot load {what} from {folder} ({exc})") from exc
+    if tok is not None and its_tok.get_vocab() != tok.get_vocab():
+        raise ConfigError(f"{what} {folder} has another tokenizer than the policy; both models read one token "
+                          "sequence, so they must share the vocabulary")
+    model = shard(model, d)
+    for p in model.parameters():
+        p.requires_grad_(trainable)
+    return model.train() if trainable else model.eval()
+
+
+def reference_model(model, tok, run: Path, d: Dist):
+    """The frozen KL reference: the policy as GRPO began."""
+    folder = grpo_start_snapshot(model, tok, run, d)
+    try:
+        return load_model(folder, d, "the KL reference")
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; delete {folder} to take the resumed policy as the reference") from exc
+
+
+def make_optimizer(model, cfg: TrainConfig):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, cfg.beta2))
 
 
 def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict,
-                    template_kwargs: dict | None = None):
+                    template_kwargs: dict | None = None, world=None):
     """ckpt/step_N/: HF folder (model + tokenizer with its chat template, the template variables),
-    optim_rank{r}.pt, state.json; then `latest` -> it.
+    optim_rank{r}.pt, state.json; then `latest` -> it. With world=(model, optimizer) (--world-model
+    separate), the world model in ckpt/step_N/world_model/ beside optim_world_rank{r}.pt.
 
     Everything is written into a hidden temp folder that is renamed into place, and `latest` is replaced
     last, so a kill at any moment leaves the previous checkpoint as the latest complete one.
@@ -683,6 +736,11 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
         tmp.mkdir(parents=True)
     save_model_folder(model, tok, tmp, d, template_kwargs)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
+    if world is not None:
+        if d.main:
+            (tmp / WORLD_DIR).mkdir()
+        save_model_folder(world[0], tok, tmp / WORLD_DIR, d, template_kwargs)
+        torch.save({"optimizer": world[1].state_dict()}, tmp / f"optim_world_rank{d.rank}.pt")
     if d.world_size > 1:
         dist.barrier()
     if d.main:
@@ -700,6 +758,16 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
     if d.world_size > 1:
         dist.barrier()
     return final
+
+
+WORLD_DIR = "world_model"   # the separate world model inside a checkpoint folder
+
+
+def load_optimizer_state(optimizer, path: Path):
+    try:
+        optimizer.load_state_dict(torch.load(path, weights_only=False)["optimizer"])
+    except Exception as exc:
+        raise CheckpointError(f"cannot load optimizer state from {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def latest_checkpoint(run: Path) -> Path:
@@ -777,6 +845,13 @@ class Trainer:
     metrics: MetricsLog | None
     samples: MetricsLog | None
     ref_model: object = None       # the frozen KL reference, made when GRPO begins
+    sim_model: object = None       # --env sim: the frozen simulator writing every tool response
+    world: object = None           # --world-model separate: the world model, trained on WORLD tokens ...
+    world_optimizer: object = None  # ... with an optimizer of its own; both made when GRPO begins
+
+    def world_parts(self):
+        """(model, optimizer) of the separate world model for checkpoints; None while there is none."""
+        return (self.world, self.world_optimizer) if self.world is not None else None
 
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
@@ -816,7 +891,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         done = step + 1
         if done % cfg.save_every == 0 or done == total_steps or stop["flag"]:
             save_checkpoint(t.run, done, t.model, t.engine.tok, t.optimizer, cfg, d, {"phase": phase},
-                            t.engine.template_kwargs)
+                            t.engine.template_kwargs, world=t.world_parts())
         if stop["flag"]:
             break
     bar.close()
@@ -868,14 +943,17 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
                          template_kwargs(cfg), dtype=torch.float32, device=d.device)   # fails early if unusable
     model = shard(engine.model, d)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  betas=(0.9, cfg.beta2))
+    optimizer = make_optimizer(model, cfg)
+    world, world_optimizer = None, None
     if ckpt is not None:
-        try:
-            saved = torch.load(ckpt / f"optim_rank{d.rank}.pt", weights_only=False)
-            optimizer.load_state_dict(saved["optimizer"])
-        except Exception as exc:
-            raise CheckpointError(f"cannot load optimizer state from {ckpt}: {type(exc).__name__}: {exc}") from exc
+        load_optimizer_state(optimizer, ckpt / f"optim_rank{d.rank}.pt")
+        if cfg.world_model == "separate" and start_step > cfg.sft_steps:   # GRPO had begun: both models saved
+            if not (ckpt / WORLD_DIR / "config.json").exists():
+                raise CheckpointError(f"{ckpt} has no {WORLD_DIR}/ but its run trains a separate world model")
+            world = load_model(ckpt / WORLD_DIR, d, "the world model", trainable=True)
+            world_optimizer = make_optimizer(world, cfg)
+            load_optimizer_state(world_optimizer, ckpt / f"optim_world_rank{d.rank}.pt")
+    sim_model = load_model(Path(cfg.sim_model), d, "--sim-model", tok=engine.tok) if cfg.sim_model else None
     if d.main:
         if resume is None and run.exists() and cfg.overwrite:
             shutil.rmtree(run)
@@ -897,7 +975,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
                    optimizer=optimizer, make_env=make_env, loss_cfg=loss_cfg,
                    sampling=subconfig(rollout.SamplingConfig, cfg), train_roles=parse_roles(cfg.train_roles),
                    sft_roles=parse_roles(cfg.sft_roles), world_skip=world_skip, metrics=metrics,
-                   samples=samples), start_step
+                   samples=samples, sim_model=sim_model, world=world, world_optimizer=world_optimizer), start_step
 
 
 def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
@@ -923,19 +1001,26 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     cfg, d = t.cfg, t.d
     for g in t.optimizer.param_groups:
         g["lr"] = cfg.lr
-    if cfg.kl_coef > 0 and t.ref_model is None:
-        t.ref_model = reference_model(t.model, t.engine.tok, t.run, d)
+    begin_grpo(t)
     batch_tasks = pick.sample(t.tasks, min(cfg.tasks_per_step, len(t.tasks)))[d.rank::d.world_size]
     t.model.eval()
+    writer = t.sim_model if cfg.env == "sim" else t.world       # who writes the WORLD segments; None: the policy
+    if t.world is not None:
+        t.world.eval()
     t0 = time.perf_counter()
     seed = cfg.seed * 7919 + step * d.world_size + d.rank
-    with (gathered_for_generation(t.model) if d.world_size > 1 else torch.autocast("cpu", enabled=False)):
+    with contextlib.ExitStack() as gathered:
+        for m in ([t.model] + ([writer] if writer is not None else [])) if d.world_size > 1 else []:
+            gathered.enter_context(gathered_for_generation(m))
         with autocast(d):
             ro = t.engine.run(batch_tasks, cfg.group_size, dataclasses.replace(t.sampling, seed=seed),
-                              make_env=t.make_env, responses=cfg.env)
+                              make_env=t.make_env, responses="real" if cfg.env == "real" else "rehearse",
+                              world_model=writer)
     t_rollout = time.perf_counter() - t0
     t0 = time.perf_counter()
-    scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, cfg.defect_penalty, cfg.reward)
+    # a defective rehearsed response costs reward only where its writer is trained (the world role)
+    penalty = cfg.defect_penalty if Role.WORLD in t.train_roles else 0.0
+    scores = [reward.trajectory_reward(cfg.bench, batch_tasks[ti], tr, defects, penalty, cfg.reward)
               for ti, tr, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
     t_reward = time.perf_counter() - t0
     # verifier-side world-model fidelity per tool (replays the calls; nothing reaches the policy)
@@ -953,23 +1038,31 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
                                       (ro.roles != Role.PAD).long().to(d.device), cfg.temperature,
                                       cfg.chunk_size).cpu()
     batch = Batch(ro.ids, ro.roles, ro.logprobs, adv)
-    weight_total = trained_weight_total(batch, t.train_roles, t.loss_cfg, d)
+    # shared: one model, one loss over every trained role. separate: each model its own loss over its role's
+    # tokens, its own token mean and its own optimizer step (two agents, as the official noshare arm).
+    if t.world is None:
+        updates = {"": (t.model, t.optimizer, t.train_roles)}
+    else:
+        updates = {"": (t.model, t.optimizer, [Role.ACT]), "world_": (t.world, t.world_optimizer, [Role.WORLD])}
+    totals = {prefix: trained_weight_total(batch, roles, t.loss_cfg, d) for prefix, (_, _, roles) in updates.items()}
     if ref_logp is None and d.world_size == 1:
         # rows whose advantages are all 0 add no gradient: skip their forward (the loss denominator
         # still counts them). Under FSDP every rank must run the same passes, so nothing is skipped.
         batch = batch.rows(torch.nonzero((adv != 0).any(-1)).flatten())
-    t.model.train()
     t0 = time.perf_counter()
-    pg, norms, ok = {}, [], True
-    for _ in range(cfg.updates_per_batch):
-        pg = policy_gradient(t.model, batch, t.train_roles, t.loss_cfg, d, cfg.micro_batch, cfg.temperature,
-                             cfg.chunk_size, ref_logp, weight_total)
-        if not math.isfinite(pg["loss"]):
-            t.optimizer.zero_grad(set_to_none=True)
-            ok = False
-            break
-        norm, ok = optimizer_step(t.model, t.optimizer, cfg.grad_clip)
-        norms.append(norm)
+    pg, norms, ok = {}, {}, True
+    for prefix, (model, optimizer, roles) in updates.items():
+        model.train()
+        for _ in range(cfg.updates_per_batch):
+            pg[prefix] = policy_gradient(model, batch, roles, t.loss_cfg, d, cfg.micro_batch, cfg.temperature,
+                                         cfg.chunk_size, ref_logp, totals[prefix])
+            if not math.isfinite(pg[prefix]["loss"]):
+                optimizer.zero_grad(set_to_none=True)
+                ok = False
+                break
+            norms[prefix], ok = optimizer_step(model, optimizer, cfg.grad_clip)
+            if not ok:
+                break
         if not ok:
             break
     t_update = time.perf_counter() - t0
@@ -980,12 +1073,14 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     record = dict(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
                   flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
                   rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
-                  loss=pg.get("loss"), kl=pg.get("kl"), clip_frac=pg.get("clip_frac"),
-                  logp_mismatch=pg.get("logp_mismatch"), grad_norm=norms[-1] if norms else float("nan"),
                   tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world_size,
                   t_rollout=t_rollout, t_reward=t_reward, t_fidelity=t_fidelity, t_update=t_update,
                   end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)},
                   flat_group_share=sums[3] / max(1.0, sums[9]))      # groups whose rewards are all equal
+    for prefix in updates:           # loss, kl, ... of the policy; world_loss, world_kl, ... of a separate world model
+        for key in ("loss", "kl", "clip_frac", "logp_mismatch"):
+            record[prefix + key] = pg.get(prefix, {}).get(key)
+        record[prefix + "grad_norm"] = norms.get(prefix, float("nan"))
     for tool, f in reward.fidelity_by_tool(gather_sums(fid_sums, d)).items():
         record[f"fidelity_n/{tool}"] = f["calls"]
         record[f"fidelity_exact/{tool}"] = f["exact"]
@@ -995,6 +1090,22 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
         t.samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
                          "text": rollout.describe_row(ro, t.engine.tok, 0)})
     return record, ok
+
+
+def begin_grpo(t: Trainer):
+    """The models GRPO needs besides the policy, made at its first step from the policy as GRPO began
+    (RUN/reference/): the KL reference, the default frozen simulator, the separate world model."""
+    cfg, d = t.cfg, t.d
+    if cfg.kl_coef > 0 and t.ref_model is None:
+        t.ref_model = reference_model(t.model, t.engine.tok, t.run, d)
+    if cfg.env == "sim" and t.sim_model is None:
+        # the frozen copy of the start is the KL reference's weights: share the module when there is one
+        t.sim_model = t.ref_model or load_model(grpo_start_snapshot(t.model, t.engine.tok, t.run, d), d,
+                                                "the frozen simulator")
+    if cfg.world_model == "separate" and t.world is None:
+        t.world = load_model(grpo_start_snapshot(t.model, t.engine.tok, t.run, d), d, "the world model",
+                             trainable=True)
+        t.world_optimizer = make_optimizer(t.world, cfg)
 
 
 def progress_fields(record: dict) -> dict:

@@ -626,7 +626,7 @@ def error_lines(stderr):
 
 TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfig field is covered
     (["--model", "/nonexistent/model"], "does not exist"), (["--bench", "nope"], "unknown --bench"),
-    (["--split", "nosplit"], "nosplit"), (["--env", "sim"], "--env"), (["--train-roles", ""], "roles"),
+    (["--split", "nosplit"], "nosplit"), (["--env", "simulated"], "--env"), (["--train-roles", ""], "roles"),
     (["--train-roles", "act,dream"], "roles"), (["--sft-roles", "x"], "roles"),
     (["--aggregate", "sum"], "--aggregate"), (["--steps", "0"], "--steps"), (["--steps", "2.5"], "invalid int"),
     (["--tasks-per-step", "-1"], "--tasks-per-step"), (["--group-size", "0"], "--group-size"),
