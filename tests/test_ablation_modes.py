@@ -194,3 +194,27 @@ def test_a_simulator_with_another_vocabulary_is_refused(micro_path, tmp_path):
     res = run_train(["--model", str(micro_path), "--out", str(tmp_path / "r"), "--env", "sim", "--sim-model",
                      str(policy.ensure_tiny())])
     assert res.returncode == 2 and "another tokenizer than the policy" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("mode, port", [("sim", 29571), ("separate", 29572)])
+def test_both_modes_run_under_fsdp_with_two_processes(micro_path, tmp_path, mode, port):
+    """torchrun, 2 ranks (gloo): scripted GRPO steps on sharded models; the simulator stays frozen, the
+    separate world model trains, and the checkpoint holds each rank's optimizer state of both models."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "seen.json"
+    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port),
+                           str(root / "tests" / "fsdp_modes_check.py"), str(micro_path), mode, str(out)],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(out.read_text())
+    assert all(n > 0 for n in seen["world_tokens"])
+    assert seen["other_changed"] == (mode == "separate")
+    ckpt = tmp_path / f"run-{mode}" / "ckpt" / "step_000002"
+    has_world = [(ckpt / f"optim_world_rank{r}.pt").exists() for r in (0, 1)] + [(ckpt / "world_model").is_dir()]
+    assert all(has_world) if mode == "separate" else not any(has_world)
