@@ -26,9 +26,19 @@ group size 4, KL 1e-4 k3, clip 0.2/0.2, dual clip 3), on the embedded toy world 
 One piece is one (arm, seed): train runs/experiment/<arm>-s<seed>/ (continued with `train.py --resume` if its
 latest checkpoint has fewer steps), evaluate the final checkpoint on held-out test tasks (parallel budgets
 0,1,2,4 with the fidelity probe, sequential budget 2), write results/experiment/<arm>-s<seed>.json. The warm
-start itself is the piece warm-start.json. A piece whose JSON exists is skipped. Then the report:
-results/experiment/table.md and the PNG plots, from every piece JSON there. The numbers are the result:
-nothing is tuned until an arm wins.
+start itself is the piece warm-start.json. A piece whose JSON exists is skipped (delete it to redo or
+lengthen a piece; its run folder is then continued, not retrained). Then the report: results/experiment/
+table.md and the PNG plots training_success.png, training_fidelity.png, from every piece JSON there.
+
+A piece JSON holds: the arm, seed, train flags and mirrored script; the warm start (path, --warm-start-note,
+its own training config); the evaluated checkpoint and GRPO settings; host and OMP_NUM_THREADS; `commands`,
+every command the piece ran over all invocations (runs/experiment/<piece>.commands.jsonl) with wall and CPU
+seconds, and their sums; `training_curve` (per GRPO step: reward_mean, success_rate, flat_group_share,
+fidelity_exact/<tool>, fidelity_n/<tool>); `held_out` (per budget label B=0, B=1, B=2, B=4, seq B=2:
+evaluate.py's summary of that run plus fidelity_by_tool); `fidelity_by_tool` (B=0's); and
+`rehearsal_diagnostics` when evaluate.py's summary has one. Logs: runs/experiment/<piece>.*.log.
+
+The numbers are the result: nothing is tuned until an arm wins.
 """
 from __future__ import annotations
 
@@ -359,10 +369,11 @@ def ordering_sentence(groups: dict) -> str:
         text += f" {'=' if means[arm] == means[prev] else '>'} {arm} ({means[arm]:.3f})"
     sentence = f"By mean held-out success at B=0: {text}; "
     missing = [arm for arm in PAPER_ORDER if arm not in means]
+    sentence += f"the paper's ordering {' < '.join(PAPER_ORDER)} "
     if missing:
-        return sentence + f"the paper's ordering frozen-sim < per-role < envace cannot be checked ({', '.join(missing)} missing)."
+        return sentence + f"cannot be checked ({', '.join(missing)} missing)."
     holds = all(means[a] < means[b] for a, b in zip(PAPER_ORDER, PAPER_ORDER[1:]))
-    return sentence + f"the paper's ordering frozen-sim < per-role < envace {'holds' if holds else 'does not hold'}."
+    return sentence + ("holds." if holds else "does not hold.")
 
 
 def mechanism_sentence(groups: dict) -> str:
@@ -476,22 +487,26 @@ def report_header(groups: dict) -> list[str]:
     return lines + [""]
 
 
+SUCCESS_NOTE = ("Mean ± sample std over seeds (one value: one seed). B = private rehearsals before each committed "
+                "turn, B proposals at once (parallel); seq B=2: two in sequence, the second seeing the first's "
+                "memory. The warm start is evaluated once.")
+HELD_OUT_FIDELITY_NOTE = ("Every real call is also rehearsed by the evaluated checkpoint in a discarded fork and "
+                          "compared with the real response (per-role: the evaluated checkpoint is the actor, so "
+                          "this is the actor's own world model, not the trained simulator's).")
+TRAINING_FIDELITY_NOTE = ("Exact fidelity of the responses written during training, weighted by calls, mean over "
+                          "seeds. The warm start gave get_price no world supervision: does its fidelity rise when "
+                          "the world role is trained (envace, per-role) and stay flat when it is not? Note: under "
+                          "frozen-sim the responses are written by the frozen simulator, which cannot change; its "
+                          "row only moves with the calls the actor makes. real has no rehearsed responses.")
+
+
 def write_report(results: Path, plots: bool = True) -> Path:
     groups = load_pieces(results)
     lines = report_header(groups)
-    lines += ["## Held-out success", "", "Mean ± sample std over seeds (one value: one seed). B = private "
-              "rehearsals before each committed turn, B proposals at once (parallel); seq B=2: two in sequence, "
-              "the second seeing the first's memory. The warm start is evaluated once.", "", *success_table(groups), "", ordering_sentence(groups), "",
-              "## Held-out world-model fidelity (exact, B=0)", "",
-              "Every real call is also rehearsed by the evaluated checkpoint in a discarded fork and compared "
-              "with the real response (per-role: the actor's own world model, as evaluated).", "",
+    lines += ["## Held-out success", "", SUCCESS_NOTE, "", *success_table(groups), "", ordering_sentence(groups), "",
+              "## Held-out world-model fidelity (exact, B=0)", "", HELD_OUT_FIDELITY_NOTE, "",
               *held_out_fidelity_table(groups), "",
-              f"## Training-time fidelity: first {WINDOW} → last {WINDOW} GRPO steps", "",
-              "Exact fidelity of the responses written during training, weighted by calls, mean over seeds. "
-              "The warm start gave get_price no world supervision: does its fidelity rise when the world "
-              "role is trained (envace, per-role) and stay flat when it is not? Note: under frozen-sim the "
-              "responses are written by the frozen simulator, which cannot change; its row only moves with "
-              "the calls the actor makes. real has no rehearsed responses.", "",
+              f"## Training-time fidelity: first {WINDOW} → last {WINDOW} GRPO steps", "", TRAINING_FIDELITY_NOTE, "",
               *training_fidelity_table(groups), "", mechanism_sentence(groups), ""]
     written = write_plots(groups, results) if plots else []
     if written is None:

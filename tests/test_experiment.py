@@ -2,6 +2,7 @@
 ordering sentence, plots), and the piece runner with train.py / evaluate.py replaced by fakes (a written piece
 is skipped, a missing one is trained from the warm start or resumed, and its JSON has the promised layout)."""
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,15 @@ def test_plots_are_written(tmp_path):
         assert f"]({name})" in text
 
 
+def test_without_matplotlib_the_tables_are_still_written(tmp_path, monkeypatch, capsys):
+    write_pieces(tmp_path, {"envace": [0.3]})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # `import matplotlib` raises ImportError
+    text = experiment.write_report(tmp_path).read_text()
+    assert "| envace | 1 | 0.300 |" in text and ".png" not in text
+    assert "plots skipped" in capsys.readouterr().out
+    assert not (tmp_path / "training_success.png").exists()
+
+
 def test_moving_average_skips_missing_points():
     assert experiment.moving_average([1.0, None, 3.0, 5.0], 2) == [1.0, 1.0, 3.0, 4.0]
     assert experiment.moving_average([None], 10) == [None]
@@ -173,7 +183,8 @@ def fake_commands(warm: Path):
             (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         else:
             out.mkdir(parents=True)
-            budgets = cmd[cmd.index("--compare") + 1] if "--compare" in cmd else cmd[cmd.index("--rehearsal-budget") + 1]
+            flag = "--compare" if "--compare" in cmd else "--rehearsal-budget"
+            budgets = cmd[cmd.index(flag) + 1]
             fid = [{"call": {"name": "get_price"}, "exact": True, "kv_agreement": 1.0, "error_correct": True}]
             (out / "t.jsonl").write_text(json.dumps({"fidelity": fid}) + "\n")
             runs = {f"B={b}": {"overall": {"success": 0.25}, "jsonl": str(out / "t.jsonl")} for b in budgets.split(",")}
