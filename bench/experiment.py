@@ -1,159 +1,569 @@
-"""The miniature of the paper's claims, on the embedded toy world with the tiny model (CPU).
+"""The paper's ablation in miniature: who writes the tool responses during GRPO, and who is trained on them.
 
-    python bench/experiment.py                      # 3 seeds; writes runs/experiment/results.{md,json}
-    python bench/experiment.py --seeds 0 --grpo-steps 10 --eval-limit 16    # a quick look
+    # 1. one shared warm start, trained once (get_price responses get no world loss: the mechanism test)
+    python train.py --sft-steps 4000 --steps 0 --sft-world-frac 0.5 --sft-world-skip get_price --out runs/ws-skip-price
+    # 2. every arm x seed from it, then the report; rerun the same command to continue after a stop
+    python bench/experiment.py --warm-start runs/ws-skip-price/ckpt/step_004000
+    python bench/experiment.py --warm-start runs/ws-skip-price/ckpt/step_004000 --arms envace --seeds 0
+    python bench/experiment.py --only-report         # tables and plots from the JSONs already written
 
-Per seed: one supervised warm start (reference trajectories, act + world turns), then three arms with the
-same GRPO budget from that checkpoint:
-  grpo-real   standard GRPO, the real environment answers every call   (--env real --train-roles act)
-  envace      rehearsal only during training, both roles trained       (--env rehearse --train-roles act,world)
-  act-only    rehearsal during training, only actor tokens trained     (--env rehearse --train-roles act)
-Each final checkpoint (and the warm start) is evaluated on held-out test tasks with committed execution on
-the real environment, private-rehearsal budgets 0/1/2/4 (parallel and sequential), and world-model fidelity.
-Reported as mean ± std over seeds. Whatever the numbers say is the result.
+The paper (EnvACE on tau², official code Within-yao/EnvACE, examples/drmas_trainer/) reports standard GRPO
+31.2 < per-role policies 35.5 < EnvACE 36.7. The arms here, all from ONE warm-start checkpoint with the same
+GRPO budget and the paper's settings (train.py's defaults: checklist reward, Dr.GRPO, (task, role) groups,
+group size 4, KL 1e-4 k3, clip 0.2/0.2, dual clip 3), on the embedded toy world with the tiny model:
+
+  frozen-sim  standard GRPO, mirrors run_checklist_caller_only.sh: a frozen copy of the warm start writes
+              every tool response; only the caller's ACT tokens are trained.  --env sim --train-roles act
+  per-role    mirrors run_checklist_noshare.sh: a second model, initialised from the warm start, writes the
+              responses and is trained on its WORLD tokens by the same reward; the actor on ACT tokens.
+                                                          --env rehearse --world-model separate
+  envace      mirrors run_checklist_share.sh: one set of weights plays both roles.   --env rehearse
+  real        the real environment answers every call: a ceiling the paper never claims to beat.
+                                                          --env real --train-roles act
+  act-only    (only with --act-only) the policy rehearses, only ACT tokens trained.
+                                                          --env rehearse --train-roles act
+
+One piece is one (arm, seed): train runs/experiment/<arm>-s<seed>/ (continued with `train.py --resume` if its
+latest checkpoint has fewer steps), evaluate the final checkpoint on held-out test tasks (parallel budgets
+0,1,2,4 with the fidelity probe, sequential budget 2), write results/experiment/<arm>-s<seed>.json. The warm
+start itself is the piece warm-start.json. A piece whose JSON exists is skipped (delete it to redo or
+lengthen a piece; its run folder is then continued, not retrained). Then the report: results/experiment/
+table.md and the PNG plots training_success.png, training_fidelity.png, from every piece JSON there.
+
+A piece JSON holds: the arm, seed, train flags and mirrored script; the warm start (path, --warm-start-note,
+its own training config); the evaluated checkpoint and GRPO settings; host and OMP_NUM_THREADS; `commands`,
+every command the piece ran over all invocations (runs/experiment/<piece>.commands.jsonl) with wall and CPU
+seconds, and their sums; `training_curve` (per GRPO step: reward_mean, success_rate, flat_group_share,
+fidelity_exact/<tool>, fidelity_n/<tool>); `held_out` (per budget label B=0, B=1, B=2, B=4, seq B=2:
+evaluate.py's summary of that run plus fidelity_by_tool); `fidelity_by_tool` (B=0's); and
+`rehearsal_diagnostics` when evaluate.py's summary has one. Logs: runs/experiment/<piece>.*.log.
+
+The numbers are the result: nothing is tuned until an arm wins.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# `python bench/experiment.py` puts bench/ itself first on sys.path, where bench/tau2.py would shadow tau2
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Arm:
+    flags: list[str]      # train.py flags on top of the shared ones
+    mirrors: str          # the official script this arm stands for ("" = none)
+
+
 ARMS = {
-    "grpo-real": ["--env", "real", "--train-roles", "act"],
-    "envace": ["--env", "rehearse", "--train-roles", "act,world"],
-    "act-only": ["--env", "rehearse", "--train-roles", "act"],
+    "frozen-sim": Arm(["--env", "sim", "--train-roles", "act"], "run_checklist_caller_only.sh"),
+    "per-role": Arm(["--env", "rehearse", "--world-model", "separate", "--train-roles", "act,world"],
+                    "run_checklist_noshare.sh"),
+    "envace": Arm(["--env", "rehearse", "--train-roles", "act,world"], "run_checklist_share.sh"),
+    "real": Arm(["--env", "real", "--train-roles", "act"], ""),
+    "act-only": Arm(["--env", "rehearse", "--train-roles", "act"], ""),
 }
+DEFAULT_ARMS = ["frozen-sim", "per-role", "envace", "real"]
+ROW_ORDER = ["warm-start", "frozen-sim", "per-role", "envace", "act-only", "real"]
+PAPER_ORDER = ["frozen-sim", "per-role", "envace"]          # increasing success, as the paper reports
+TOOLS = ["get_balance", "get_price", "transfer", "buy"]
+PARALLEL_BUDGETS = [0, 1, 2, 4]
+SEQUENTIAL_BUDGET = 2
+BUDGET_LABELS = ["B=0", "B=1", "B=2", "B=4", "seq B=2"]
+WINDOW = 10           # steps: the plots' moving average, and the first/last windows of training-time fidelity
+PIECE_CPU_LIMIT = 3600
 
 
-def run(cmd: list[str], log: Path):
-    t0 = time.time()
-    with open(log, "w") as f:
-        res = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    if res.returncode != 0:
-        raise SystemExit(f"failed ({res.returncode}): {' '.join(cmd)}; see {log}")
-    print(f"  {time.time() - t0:6.0f}s  {' '.join(cmd)}", flush=True)
+# ----------------------------------------------------------------------------------------------------------
+# Running commands: every finished command is appended to the piece's ledger, so a piece continued by a
+# later invocation still reports the time of all its parts.
 
 
-def latest(run_dir: Path) -> Path:
-    return run_dir / (run_dir / "latest").read_text().strip()
+class CommandFailed(RuntimeError):
+    """train.py or evaluate.py exited non-zero; the message names its log."""
 
 
-def evaluate(ckpt: Path, out: Path, args, seed: int) -> dict:
-    """Budgets 0,1,2,4 parallel and 1,2,4 sequential on the same tasks and seed; returns {label: summary}."""
-    results = {}
-    out.mkdir(parents=True, exist_ok=True)
-    for mode, budgets in (("parallel", args.budgets), ("sequential", args.seq_budgets)):
-        if not budgets:
+def run_command(cmd: list[str], log: Path) -> dict:
+    """`python cmd...` in the repository root, its output appended to `log`; what the piece JSON records."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        rc = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    print(f"  {wall:7.0f} s wall {cpu:7.0f} s CPU  python {' '.join(cmd)}", flush=True)
+    if rc != 0:
+        raise CommandFailed(f"exit {rc}: python {' '.join(cmd)} (see {log})")
+    return {"cmd": "python " + " ".join(cmd), "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1)}
+
+
+def run_logged(cmd: list[str], log: Path, ledger: Path):
+    record = run_command(cmd, log)
+    with open(ledger, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rel(path: Path) -> str:
+    """A path as the commands and JSONs spell it: relative to the repository root where possible."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One piece: train (or continue), evaluate, write the JSON
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path | None, int]:
+    """(the run's latest complete checkpoint, the steps it holds), or (None, 0) without one."""
+    pointer = run_dir / "latest"
+    if not pointer.is_file():
+        return None, 0
+    ckpt = run_dir / pointer.read_text().strip()
+    if not (ckpt / "state.json").is_file():
+        return None, 0
+    return ckpt, json.loads((ckpt / "state.json").read_text())["step"]
+
+
+def train_command(arm: str, seed: int, run_dir: Path, args) -> list[str] | None:
+    """None when the run already holds args.steps steps; `--resume` when it holds fewer; else a new run
+    (--overwrite: a folder without a checkpoint is a run killed before its first save)."""
+    ckpt, done = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        started_from = json.loads((run_dir / "config.json").read_text()).get("model", "")
+        if (ROOT / started_from).resolve() != (ROOT / args.warm_start).resolve():
+            raise SystemExit(f"{run_dir} started from {started_from}, not --warm-start {args.warm_start}: "
+                             "move it away (or its piece JSON) before running this piece again")
+        return None if done >= args.steps else ["train.py", "--resume", rel(run_dir), "--steps", str(args.steps)]
+    return ["train.py", "--model", args.warm_start, "--out", rel(run_dir), "--overwrite", "--seed", str(seed),
+            "--sft-steps", "0", "--steps", str(args.steps), "--lr", str(args.lr),
+            "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
+            "--save-every", str(args.save_every), *ARMS[arm].flags]
+
+
+def eval_commands(ckpt: str, seed: int, eval_dir: Path, limit: int) -> dict[str, list[str]]:
+    """Parallel budgets with the fidelity probe (every real call also rehearsed in a discarded fork), and
+    the sequential budget without it (its fidelity would repeat the parallel runs' at a second cost)."""
+    common = ["evaluate.py", "--model", ckpt, "--limit", str(limit), "--seed", str(seed)]
+    return {"parallel": [*common, "--compare", ",".join(map(str, PARALLEL_BUDGETS)), "--rehearsal-mode",
+                         "parallel", "--fidelity", "--out", rel(eval_dir / "parallel")],
+            "sequential": [*common, "--rehearsal-budget", str(SEQUENTIAL_BUDGET), "--rehearsal-mode",
+                           "sequential", "--no-fidelity", "--out", rel(eval_dir / "sequential")]}
+
+
+def training_curve(metrics: Path) -> list[dict]:
+    """The GRPO steps of metrics.jsonl: step, reward, success, flat groups, fidelity per tool."""
+    curve = []
+    for rec in read_jsonl(metrics):
+        if rec.get("phase") != "grpo":
             continue
-        dest = out / mode
-        if not (dest / "summary.json").exists():
-            run(["evaluate.py", "--model", str(ckpt), "--limit", str(args.eval_limit), "--seed", str(seed),
-                 "--compare", ",".join(map(str, budgets)), "--rehearsal-mode", mode, "--out", str(dest),
-                 "--temperature", str(args.eval_temperature),
-                 *(["--opt", f"families={args.families}"] if args.families else [])], out / f"eval-{mode}.log")
-        summary = json.loads((dest / "summary.json").read_text())
-        for label, s in summary.get("runs", summary).items():
-            results[f"{mode}/{label}" if mode == "sequential" else label] = s
-    return results
+        point = {k: rec.get(k) for k in ("step", "reward_mean", "success_rate", "flat_group_share")}
+        point.update({k: v for k, v in rec.items() if k.startswith(("fidelity_exact/", "fidelity_n/"))})
+        curve.append(point)
+    return curve
 
 
-def success_of(s: dict) -> float | None:
-    for key in ("success", "avg@k", "pass^1"):
-        if isinstance(s.get(key), (int, float)):
-            return float(s[key])
-    overall = s.get("overall", {})
-    return float(overall["success"]) if isinstance(overall.get("success"), (int, float)) else None
+def fidelity_per_tool(trajectories: Path) -> dict:
+    """Held-out world-model fidelity per tool, from the probes recorded in evaluate.py's JSONL."""
+    import reward
+    pairs = [(f["call"]["name"], f) for rec in read_jsonl(trajectories) for f in rec.get("fidelity", [])]
+    return reward.fidelity_by_tool(reward.fidelity_sums(pairs))
 
 
-def fidelity_of(s: dict) -> float | None:
-    fid = s.get("fidelity") or s.get("overall", {}).get("fidelity") or {}
-    v = fid.get("exact") if isinstance(fid, dict) else None
-    return float(v) if isinstance(v, (int, float)) else None
+def held_out_results(eval_dir: Path) -> tuple[dict, dict]:
+    """({budget label: evaluate's summary of that run, with fidelity per tool}, any rehearsal_diagnostics)."""
+    results, diagnostics = {}, {}
+    for mode in ("parallel", "sequential"):
+        summary = json.loads((eval_dir / mode / "summary.json").read_text())
+        if "rehearsal_diagnostics" in summary:
+            diagnostics[mode] = summary["rehearsal_diagnostics"]
+        for label, run in summary["runs"].items():
+            entry = {k: v for k, v in run.items() if k != "jsonl"}
+            entry["fidelity_by_tool"] = fidelity_per_tool(ROOT / run["jsonl"])
+            results[label if mode == "parallel" else f"seq {label}"] = entry
+    return results, diagnostics
 
 
-def mean_std(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "n/a"
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+def warm_start_config(ckpt: str) -> dict:
+    """What the warm start was trained with, read from its state.json (empty if it has none)."""
+    state = ROOT / ckpt / "state.json"
+    if not state.is_file():
+        return {}
+    cfg = json.loads(state.read_text()).get("config", {})
+    keys = ("model", "sft_steps", "sft_world_frac", "sft_world_skip", "sft_rehearsal_frac", "sft_lr", "seed")
+    return {k: cfg[k] for k in keys if k in cfg}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run_piece(name: str, arm: str, seed: int, args) -> dict:
+    """Train (or continue) and evaluate one piece; returns its JSON record (not yet written)."""
+    run_dir, ledger = args.runs / name, args.runs / f"{name}.commands.jsonl"
+    curve, ckpt, steps = [], args.warm_start, 0
+    if arm != "warm-start":
+        cmd = train_command(arm, seed, run_dir, args)
+        if cmd:
+            run_logged(cmd, args.runs / f"{name}.train.log", ledger)
+        ckpt_path, steps = latest_checkpoint(run_dir)
+        ckpt, curve = rel(ckpt_path), training_curve(run_dir / "metrics.jsonl")
+    eval_dir = run_dir / f"eval-{Path(ckpt).name}"       # named by checkpoint: a continued run is re-evaluated
+    for mode, cmd in eval_commands(ckpt, seed, eval_dir, args.limit).items():
+        if not (eval_dir / mode / "summary.json").exists():
+            run_logged(cmd, args.runs / f"{name}.eval-{mode}.log", ledger)
+    held_out, diagnostics = held_out_results(eval_dir)
+    commands = read_jsonl(ledger)
+    piece = {"piece": name, "arm": arm, "seed": seed, "train_flags": ARMS[arm].flags if arm in ARMS else [],
+             "mirrors": ARMS[arm].mirrors if arm in ARMS else "",
+             "warm_start": args.warm_start, "warm_start_note": args.warm_start_note,
+             "warm_start_config": warm_start_config(args.warm_start),
+             "checkpoint": ckpt, "grpo_steps": steps, "lr": args.lr, "tasks_per_step": args.tasks_per_step,
+             "group_size": args.group_size, "eval_tasks": args.limit, "eval_seed": seed,
+             "host": args.host, "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+             "commands": commands, "wall_seconds": round(sum(c["wall_seconds"] for c in commands), 1),
+             "cpu_seconds": round(sum(c["cpu_seconds"] for c in commands), 1),
+             "training_curve": curve, "held_out": held_out,
+             "fidelity_by_tool": held_out.get("B=0", {}).get("fidelity_by_tool", {})}
+    if diagnostics:
+        piece["rehearsal_diagnostics"] = diagnostics
+    return piece
+
+
+def run_pieces(args) -> list[str]:
+    """Every piece not yet written, the warm start first, then seed by seed so each seed completes a
+    comparison; a failed piece is reported and the others go on. Returns the failures."""
+    args.results.mkdir(parents=True, exist_ok=True)
+    args.runs.mkdir(parents=True, exist_ok=True)
+    todo = [("warm-start", "warm-start", args.seeds[0])]
+    todo += [(f"{arm}-s{seed}", arm, seed) for seed in args.seeds for arm in args.arms]
+    failures = []
+    for name, arm, seed in todo:
+        path = args.results / f"{name}.json"
+        if path.exists():
+            print(f"{name}: {rel(path)} exists, skipped")
+            continue
+        print(f"{name}:", flush=True)
+        try:
+            piece = run_piece(name, arm, seed, args)
+        except CommandFailed as exc:
+            print(f"{name}: FAILED, {exc}", flush=True)
+            failures.append(name)
+            continue
+        path.write_text(json.dumps(piece, indent=1) + "\n")
+        over = "  OVER the hour a piece should take" if piece["cpu_seconds"] > PIECE_CPU_LIMIT else ""
+        print(f"{name}: {piece['wall_seconds'] / 60:.1f} min wall, {piece['cpu_seconds'] / 60:.1f} min CPU, "
+              f"B=0 success {piece['held_out']['B=0']['overall']['success']:.3f}; wrote {rel(path)}{over}",
+              flush=True)
+    return failures
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The report: tables and one computed sentence from the piece JSONs
+
+
+def load_pieces(results: Path) -> dict[str, list[dict]]:
+    """arm -> its pieces (seed order), arms in the table's order."""
+    groups: dict[str, list[dict]] = {}
+    for path in sorted(results.glob("*.json")):
+        piece = json.loads(path.read_text())
+        if isinstance(piece, dict) and "arm" in piece:
+            groups.setdefault(piece["arm"], []).append(piece)
+    order = ROW_ORDER + sorted(set(groups) - set(ROW_ORDER))
+    return {arm: sorted(groups[arm], key=lambda p: p.get("seed") or 0) for arm in order if arm in groups}
+
+
+def mean_std(values) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n - 1) of the values that exist; std None under two values."""
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not values:
+        return None, None
+    if len(values) == 1:
+        return values[0], None
+    return statistics.mean(values), statistics.stdev(values)
+
+
+def fmt(mean: float | None, std: float | None = None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f}"
+
+
+def success(piece: dict, label: str) -> float | None:
+    return piece.get("held_out", {}).get(label, {}).get("overall", {}).get("success")
+
+
+def success_table(groups: dict) -> list[str]:
+    lines = ["| arm | seeds | " + " | ".join(BUDGET_LABELS) + " | wall min / piece |",
+             "|---" * (len(BUDGET_LABELS) + 3) + "|"]
+    for arm, pieces in groups.items():
+        cells = [fmt(*mean_std(success(p, label) for p in pieces)) for label in BUDGET_LABELS]
+        wall, _ = mean_std(p.get("wall_seconds") for p in pieces)
+        minutes = "-" if wall is None else f"{wall / 60:.0f}"
+        lines.append(f"| {arm} | {len(pieces)} | " + " | ".join(cells) + f" | {minutes} |")
+    return lines
+
+
+def held_out_fidelity_table(groups: dict) -> list[str]:
+    lines = ["| arm | " + " | ".join(TOOLS) + " |", "|---" * (len(TOOLS) + 1) + "|"]
+    for arm, pieces in groups.items():
+        cells = [fmt(*mean_std(p.get("fidelity_by_tool", {}).get(tool, {}).get("exact") for p in pieces))
+                 for tool in TOOLS]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def window_fidelity(curve: list[dict], tool: str, last: bool) -> float | None:
+    """Exact fidelity of `tool` over the first (or last) WINDOW training steps, weighted by its calls."""
+    window = curve[-WINDOW:] if last else curve[:WINDOW]
+    calls = sum(p.get(f"fidelity_n/{tool}", 0) for p in window)
+    if not calls:
+        return None
+    return sum(p.get(f"fidelity_exact/{tool}", 0.0) * p.get(f"fidelity_n/{tool}", 0) for p in window) / calls
+
+
+def training_fidelity(pieces: list[dict], tool: str) -> tuple[float | None, float | None]:
+    """(first-window, last-window) exact fidelity of `tool`, means over seeds."""
+    first, _ = mean_std(window_fidelity(p.get("training_curve", []), tool, last=False) for p in pieces)
+    last, _ = mean_std(window_fidelity(p.get("training_curve", []), tool, last=True) for p in pieces)
+    return first, last
+
+
+def training_fidelity_table(groups: dict) -> list[str]:
+    lines = ["| arm | " + " | ".join(TOOLS) + " |", "|---" * (len(TOOLS) + 1) + "|"]
+    for arm, pieces in groups.items():
+        if arm == "warm-start":
+            continue
+        cells = []
+        for tool in TOOLS:
+            first, last = training_fidelity(pieces, tool)
+            cells.append("-" if first is None and last is None else f"{fmt(first)} → {fmt(last)}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def ordering_sentence(groups: dict) -> str:
+    """The arms ordered by mean held-out B=0 success, and whether the paper's frozen-sim < per-role < envace
+    holds (strictly), computed from the pieces."""
+    means = {arm: mean_std(success(p, "B=0") for p in pieces)[0]
+             for arm, pieces in groups.items() if arm != "warm-start"}
+    means = {arm: m for arm, m in means.items() if m is not None}
+    ranked = sorted(means, key=lambda arm: -means[arm])
+    text = f"{ranked[0]} ({means[ranked[0]]:.3f})" if ranked else "no arm has B=0 results"
+    for prev, arm in zip(ranked, ranked[1:]):
+        text += f" {'=' if means[arm] == means[prev] else '>'} {arm} ({means[arm]:.3f})"
+    sentence = f"By mean held-out success at B=0: {text}; "
+    missing = [arm for arm in PAPER_ORDER if arm not in means]
+    sentence += f"the paper's ordering {' < '.join(PAPER_ORDER)} "
+    if missing:
+        return sentence + f"cannot be checked ({', '.join(missing)} missing)."
+    holds = all(means[a] < means[b] for a, b in zip(PAPER_ORDER, PAPER_ORDER[1:]))
+    return sentence + ("holds." if holds else "does not hold.")
+
+
+def mechanism_sentence(groups: dict) -> str:
+    """How get_price's training-time fidelity moved per arm (last window minus first)."""
+    parts = []
+    for arm, pieces in groups.items():
+        first, last = training_fidelity(pieces, "get_price")
+        if first is not None and last is not None:
+            parts.append(f"{arm} {last - first:+.3f}")
+    return ("get_price training-time exact fidelity, last minus first " + str(WINDOW) + " steps: "
+            + (", ".join(parts) if parts else "no arm has get_price calls in both windows") + ".")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plots (matplotlib is optional: requirements-plot.txt)
+
+
+def moving_average(values: list[float | None], window: int) -> list[float | None]:
+    """Trailing mean over the last `window` points that exist; None where none does."""
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i - window + 1):i + 1] if v is not None]
+        out.append(sum(recent) / len(recent) if recent else None)
+    return out
+
+
+def seed_band(pieces: list[dict], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over seeds of each seed's moving-averaged training curve of `key`."""
+    steps = sorted({p["step"] for piece in pieces for p in piece.get("training_curve", [])})
+    smoothed = []
+    for piece in pieces:
+        by_step = {p["step"]: p.get(key) for p in piece.get("training_curve", [])}
+        smoothed.append(moving_average([by_step.get(s) for s in steps], WINDOW))
+    out_steps, mean, low, high = [], [], [], []
+    for i, step in enumerate(steps):
+        values = [seed[i] for seed in smoothed if seed[i] is not None]
+        if values:
+            out_steps.append(step)
+            mean.append(sum(values) / len(values))
+            low.append(min(values))
+            high.append(max(values))
+    return out_steps, mean, low, high
+
+
+def plot_band(ax, groups: dict, key: str):
+    for arm, pieces in groups.items():
+        steps, mean, low, high = seed_band(pieces, key)
+        if not steps:
+            continue
+        line, = ax.plot(steps, mean, label=f"{arm} ({len(pieces)} seeds)")
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("GRPO step")
+    ax.grid(alpha=0.3)
+
+
+def write_plots(groups: dict, out: Path) -> list[Path] | None:
+    """training_success.png and training_fidelity.png; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    trained = {arm: pieces for arm, pieces in groups.items() if arm != "warm-start"}
+    band = f"moving average of {WINDOW} steps; line: mean over seeds, band: min-max"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plot_band(ax, trained, "success_rate")
+    ax.set_ylabel("training success rate")
+    ax.set_title(f"Training success rate ({band})", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "training_success.png", dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, sharey=True)
+    for ax, tool in zip(axes.flat, TOOLS):
+        plot_band(ax, trained, f"fidelity_exact/{tool}")
+        ax.set_title(tool)
+        ax.set_ylabel("exact fidelity")
+    labelled = {}                            # one legend for the figure: an arm may lack calls of a tool
+    for ax in axes.flat:
+        labelled.update({label: line for line, label in zip(*ax.get_legend_handles_labels())})
+    if labelled:
+        fig.legend(list(labelled.values()), list(labelled), fontsize=8, loc="lower center", ncol=len(labelled))
+    fig.suptitle(f"Training-time world-model fidelity per tool ({band}; frozen-sim: the frozen simulator's)",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(out / "training_fidelity.png", dpi=110)
+    plt.close(fig)
+    return [out / "training_success.png", out / "training_fidelity.png"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The report file
+
+
+def report_header(groups: dict) -> list[str]:
+    pieces = [p for ps in groups.values() for p in ps]
+    warm = sorted({p.get("warm_start", "") for p in pieces})
+    trained = [p for p in pieces if p["arm"] != "warm-start"]
+    notes = sorted({p["warm_start_note"] for p in pieces if p.get("warm_start_note")})
+    several = " (MORE THAN ONE: these arms are not comparable)" if len(warm) > 1 else ""
+    lines = ["# The ablation in miniature: who writes the tool responses during GRPO", "",
+             f"Warm start: `{', '.join(warm)}`{several}" + "".join(f"; {n}" for n in notes) + "."]
+    if trained:
+        steps = sorted({p.get("grpo_steps") for p in trained})
+        lines.append(f"GRPO steps {', '.join(map(str, steps))}, lr {trained[0].get('lr')}, "
+                     f"{trained[0].get('tasks_per_step')} tasks x group {trained[0].get('group_size')} per step; "
+                     f"held-out: {trained[0].get('eval_tasks')} toy-world test tasks; "
+                     f"host: {trained[0].get('host')}.")
+    return lines + [""]
+
+
+SUCCESS_NOTE = ("Mean ± sample std over seeds (one value: one seed). B = private rehearsals before each committed "
+                "turn, B proposals at once (parallel); seq B=2: two in sequence, the second seeing the first's "
+                "memory. The warm start is evaluated once.")
+HELD_OUT_FIDELITY_NOTE = ("Every real call is also rehearsed by the evaluated checkpoint in a discarded fork and "
+                          "compared with the real response (per-role: the evaluated checkpoint is the actor, so "
+                          "this is the actor's own world model, not the trained simulator's).")
+TRAINING_FIDELITY_NOTE = ("Exact fidelity of the responses written during training, weighted by calls, mean over "
+                          "seeds. The warm start gave get_price no world supervision: does its fidelity rise when "
+                          "the world role is trained (envace, per-role) and stay flat when it is not? Note: under "
+                          "frozen-sim the responses are written by the frozen simulator, which cannot change; its "
+                          "row only moves with the calls the actor makes. real has no rehearsed responses.")
+
+
+def write_report(results: Path, plots: bool = True) -> Path:
+    groups = load_pieces(results)
+    lines = report_header(groups)
+    lines += ["## Held-out success", "", SUCCESS_NOTE, "", *success_table(groups), "", ordering_sentence(groups), "",
+              "## Held-out world-model fidelity (exact, B=0)", "", HELD_OUT_FIDELITY_NOTE, "",
+              *held_out_fidelity_table(groups), "",
+              f"## Training-time fidelity: first {WINDOW} → last {WINDOW} GRPO steps", "", TRAINING_FIDELITY_NOTE, "",
+              *training_fidelity_table(groups), "", mechanism_sentence(groups), ""]
+    written = write_plots(groups, results) if plots else []
+    if written is None:
+        print("plots skipped: matplotlib is not installed (pip install -r requirements-plot.txt)")
+    for path in written or []:
+        lines += [f"![{path.stem}]({path.name})", ""]
+    table = results / "table.md"
+    table.write_text("\n".join(lines))
+    return table
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--warm-start", default="", help="the shared warm-start checkpoint (required to run pieces)")
+    ap.add_argument("--warm-start-note", default="", help="how the warm start was trained, recorded in every piece")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--act-only", action="store_true", help="also run the act-only arm")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--sft-steps", type=int, default=150)
-    ap.add_argument("--grpo-steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100, help="GRPO steps per arm")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--tasks-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--eval-limit", type=int, default=32)
-    ap.add_argument("--eval-temperature", type=float, default=0.6)
-    ap.add_argument("--budgets", default="0,1,2,4", help="parallel budgets evaluated")
-    ap.add_argument("--seq-budgets", default="1,2,4", help="sequential budgets evaluated ('' for none)")
-    ap.add_argument("--warm-start", default="", help="use this checkpoint as every seed's warm start "
-                    "instead of training one per seed (the GRPO seeds still differ)")
-    ap.add_argument("--families", default="", help="restrict train and test tasks to these toy-world families")
-    ap.add_argument("--out", default="runs/experiment")
+    ap.add_argument("--save-every", type=int, default=10, help="checkpoint interval: a stopped piece loses less")
+    ap.add_argument("--limit", type=int, default=32, help="held-out test tasks evaluated")
+    ap.add_argument("--host", default="2 cores of a shared x86 host", help="recorded with every piece")
+    ap.add_argument("--runs", default="runs/experiment", help="run folders (not committed)")
+    ap.add_argument("--results", default="results/experiment", help="piece JSONs, table.md and plots")
+    ap.add_argument("--only-report", action="store_true", help="write the report from existing pieces only")
     args = ap.parse_args(argv)
-    args.budgets = [int(b) for b in args.budgets.split(",")]
-    args.seq_budgets = [int(b) for b in args.seq_budgets.split(",") if b.strip()]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    out = ROOT / args.out
-    out.mkdir(parents=True, exist_ok=True)
-    table: dict[str, dict[str, list]] = {}
-    curves: dict[str, dict[int, list]] = {}
-    for seed in seeds:
-        print(f"seed {seed}", flush=True)
-        if args.warm_start:
-            warm = Path(args.warm_start).resolve()
-        else:
-            sft = out / f"sft-s{seed}"
-            if not (sft / "latest").exists():
-                run(["train.py", "--out", str(sft), "--overwrite", "--seed", str(seed), "--sft-steps",
-                     str(args.sft_steps), "--steps", "0", "--save-every", str(args.sft_steps)],
-                    out / f"sft-s{seed}.log")
-            warm = latest(sft)
-        arms = {"warm-start": warm}
-        for arm, flags in ARMS.items():
-            rd = out / f"{arm}-s{seed}"
-            if not (rd / "latest").exists() or not (latest(rd) / "state.json").exists() or \
-                    json.loads((latest(rd) / "state.json").read_text())["step"] < args.grpo_steps:
-                run(["train.py", "--model", str(warm), "--out", str(rd), "--overwrite", "--seed", str(seed),
-                     "--sft-steps", "0", "--steps", str(args.grpo_steps), "--lr", str(args.lr),
-                     "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
-                     "--save-every", str(args.grpo_steps), *flags,
-                     *(["--task-opts", f"families={args.families}"] if args.families else [])],
-                    out / f"{arm}-s{seed}.log")
-            arms[arm] = latest(rd)
-            for line in (rd / "metrics.jsonl").read_text().splitlines():
-                rec = json.loads(line)
-                curves.setdefault(arm, {}).setdefault(rec["step"], []).append(rec.get("success_rate"))
-        for arm, ckpt in arms.items():
-            res = evaluate(ckpt, out / f"eval-{arm}-s{seed}", args, seed)
-            for label, s in res.items():
-                table.setdefault(arm, {}).setdefault(f"success {label}", []).append(success_of(s))
-                if label == "B=0":
-                    table[arm].setdefault("fidelity exact (B=0)", []).append(fidelity_of(s))
-    cols = sorted({c for row in table.values() for c in row})
-    lines = ["| arm | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for arm, row in table.items():
-        lines.append(f"| {arm} | " + " | ".join(mean_std(row.get(c, [])) for c in cols) + " |")
-    lines += ["", "Training success rate (rollouts of the step; rehearsal arms scored by the verifier), "
-              "mean over seeds, every 5 steps:", "", "| step | " + " | ".join(curves) + " |",
-              "|---" * (len(curves) + 1) + "|"]
-    steps = sorted({s for c in curves.values() for s in c})
-    for st in steps[::5] + ([steps[-1]] if steps and steps[-1] not in steps[::5] else []):
-        lines.append(f"| {st} | " + " | ".join(mean_std(curves[a].get(st, [])) for a in curves) + " |")
-    text = "\n".join(lines)
-    (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"table": table, "curves": curves, "args": vars(args)}, indent=1))
-    print(text)
+    args.arms = [a for a in args.arms.split(",") if a.strip()] + (["act-only"] if args.act_only else [])
+    args.arms = list(dict.fromkeys(args.arms))
+    bad = [a for a in args.arms if a not in ARMS]
+    if bad:
+        ap.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if not args.only_report and not args.warm_start:
+        ap.error("--warm-start PATH is required to run pieces (train it as the module docstring says)")
+    if args.warm_start:
+        args.warm_start = rel(Path(args.warm_start))
+        if not (ROOT / args.warm_start / "config.json").is_file():
+            ap.error(f"--warm-start {args.warm_start} is not a model folder (no config.json)")
+    args.runs, args.results = Path(args.runs).resolve(), Path(args.results).resolve()
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    failures = [] if args.only_report else run_pieces(args)
+    args.results.mkdir(parents=True, exist_ok=True)
+    table = write_report(args.results)
+    print(table.read_text())
+    print(f"wrote {rel(table)}")
+    if failures:
+        print(f"failed pieces (rerun to retry): {', '.join(failures)}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

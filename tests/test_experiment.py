@@ -1,0 +1,210 @@
+"""bench/experiment.py without training anything: the report from hand-made piece JSONs (numbers, the computed
+ordering sentence, plots), and the piece runner with train.py / evaluate.py replaced by fakes (a written piece
+is skipped, a missing one is trained from the warm start or resumed, and its JSON has the promised layout)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import experiment
+
+STEPS = 30
+
+
+def curve(price_exact):
+    """A made-up training curve: success rises, get_price fidelity follows `price_exact(step)`, 2 calls a step."""
+    return [{"step": s, "reward_mean": 0.5, "success_rate": s / STEPS, "flat_group_share": 0.25,
+             "fidelity_exact/get_price": price_exact(s), "fidelity_n/get_price": 2,
+             "fidelity_exact/get_balance": 0.5, "fidelity_n/get_balance": 4} for s in range(STEPS)]
+
+
+def piece(arm, seed, b0, price_exact=lambda s: 0.2, held_out_price=0.3):
+    held_out = {label: {"overall": {"success": b0 + 0.01 * i}} for i, label in enumerate(experiment.BUDGET_LABELS)}
+    by_tool = {"get_price": {"calls": 10, "exact": held_out_price}, "get_balance": {"calls": 20, "exact": 0.5}}
+    return {"piece": f"{arm}-s{seed}", "arm": arm, "seed": seed, "warm_start": "runs/ws/ckpt/step_004000",
+            "grpo_steps": STEPS, "lr": 3e-4, "tasks_per_step": 8, "group_size": 4, "eval_tasks": 32,
+            "host": "test", "wall_seconds": 600.0, "cpu_seconds": 1200.0, "training_curve": curve(price_exact),
+            "held_out": held_out, "fidelity_by_tool": by_tool}
+
+
+def write_pieces(results: Path, b0: dict):
+    """3 arms x 2 seeds; envace's get_price fidelity rises from 0 to 1 over training, the others stay flat."""
+    results.mkdir(parents=True, exist_ok=True)
+    rising = lambda s: s / (STEPS - 1)  # noqa: E731
+    for arm, values in b0.items():
+        for seed, value in enumerate(values):
+            p = piece(arm, seed, value, rising if arm == "envace" else (lambda s: 0.2),
+                      held_out_price=[0.5, 0.7][seed] if arm == "envace" else 0.3)
+            (results / f"{arm}-s{seed}.json").write_text(json.dumps(p))
+
+
+def row(table: str, arm: str) -> list[str]:
+    (line,) = [ln for ln in table.splitlines() if ln.startswith(f"| {arm} |")]
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_report_numbers_and_paper_ordering_holds(tmp_path):
+    write_pieces(tmp_path, {"frozen-sim": [0.1, 0.2], "per-role": [0.2, 0.3], "envace": [0.3, 0.5]})
+    text = experiment.write_report(tmp_path, plots=False).read_text()
+    success_table = text.split("## Held-out success")[1].split("##")[0]
+    # mean ± sample std over the two seeds: |a - b| / sqrt(2)
+    assert row(success_table, "frozen-sim")[:4] == ["frozen-sim", "2", "0.150 ± 0.071", "0.160 ± 0.071"]
+    assert row(success_table, "envace")[2] == "0.400 ± 0.141"
+    assert row(success_table, "envace")[6] == "0.440 ± 0.141"        # seq B=2, the fifth budget column
+    assert row(success_table, "envace")[7] == "10"                     # minutes per piece
+    assert ("By mean held-out success at B=0: envace (0.400) > per-role (0.250) > frozen-sim (0.150); "
+            "the paper's ordering frozen-sim < per-role < envace holds.") in text
+    fidelity_table = text.split("## Held-out world-model fidelity")[1].split("##")[0]
+    assert row(fidelity_table, "envace")[1:3] == ["0.500 ± 0.000", "0.600 ± 0.141"]   # get_balance, get_price
+    assert row(fidelity_table, "envace")[3] == "-"                           # transfer: no calls
+    training = text.split("## Training-time fidelity")[1]
+    # get_price: steps 0-9 average 4.5/29, steps 20-29 average 24.5/29
+    assert row(training, "envace")[2] == "0.155 → 0.845"
+    assert row(training, "frozen-sim")[2] == "0.200 → 0.200"
+    assert "envace +0.690" in training and "frozen-sim +0.000" in training
+
+
+def test_ordering_sentence_does_not_hold_and_missing_arm(tmp_path):
+    write_pieces(tmp_path, {"frozen-sim": [0.1, 0.2], "per-role": [0.45, 0.55], "envace": [0.3, 0.5]})
+    text = experiment.write_report(tmp_path, plots=False).read_text()
+    assert ("By mean held-out success at B=0: per-role (0.500) > envace (0.400) > frozen-sim (0.150); "
+            "the paper's ordering frozen-sim < per-role < envace does not hold.") in text
+    # equal means are no strict ordering
+    groups = experiment.load_pieces(tmp_path)
+    for p in groups["per-role"]:
+        p["held_out"]["B=0"]["overall"]["success"] = 0.4
+    assert "per-role (0.400) = envace (0.400)" in experiment.ordering_sentence(groups)
+    assert experiment.ordering_sentence(groups).endswith("does not hold.")
+    del groups["frozen-sim"]
+    assert experiment.ordering_sentence(groups).endswith("cannot be checked (frozen-sim missing).")
+
+
+def test_training_fidelity_window_is_weighted_by_calls():
+    points = [{"fidelity_exact/buy": 1.0, "fidelity_n/buy": 3}, {"fidelity_exact/buy": 0.0, "fidelity_n/buy": 1}]
+    assert experiment.window_fidelity(points, "buy", last=False) == pytest.approx(0.75)
+    assert experiment.window_fidelity(points, "transfer", last=True) is None
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_pieces(tmp_path, {"frozen-sim": [0.1, 0.2], "per-role": [0.2, 0.3], "envace": [0.3, 0.5]})
+    text = experiment.write_report(tmp_path).read_text()
+    for name in ("training_success.png", "training_fidelity.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in text
+
+
+def test_without_matplotlib_the_tables_are_still_written(tmp_path, monkeypatch, capsys):
+    write_pieces(tmp_path, {"envace": [0.3]})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # `import matplotlib` raises ImportError
+    text = experiment.write_report(tmp_path).read_text()
+    assert "| envace | 1 | 0.300 |" in text and ".png" not in text
+    assert "plots skipped" in capsys.readouterr().out
+    assert not (tmp_path / "training_success.png").exists()
+
+
+def test_moving_average_skips_missing_points():
+    assert experiment.moving_average([1.0, None, 3.0, 5.0], 2) == [1.0, 1.0, 3.0, 4.0]
+    assert experiment.moving_average([None], 10) == [None]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The piece runner, with fake commands
+
+
+class Ran(Exception):
+    """Raised by a fake runner: a command would have run."""
+
+
+def setup_run(tmp_path):
+    warm = tmp_path / "ws" / "ckpt" / "step_004000"
+    warm.mkdir(parents=True)
+    (warm / "config.json").write_text("{}")
+    return warm, tmp_path / "runs", tmp_path / "results"
+
+
+def argv(warm, runs, results, *extra):
+    return ["--warm-start", str(warm), "--runs", str(runs), "--results", str(results), *extra]
+
+
+def test_a_written_piece_is_skipped_and_a_missing_one_runs(tmp_path, monkeypatch):
+    warm, runs, results = setup_run(tmp_path)
+    write_pieces(results, {"envace": [0.3]})
+    (results / "warm-start.json").write_text(json.dumps(piece("warm-start", 0, 0.1)))
+    calls = []
+
+    def fake(cmd, log):
+        calls.append(cmd)
+        raise Ran()
+
+    monkeypatch.setattr(experiment, "run_command", fake)
+    assert experiment.main(argv(warm, runs, results, "--arms", "envace", "--seeds", "0")) == 0
+    assert calls == []
+    (results / "envace-s0.json").unlink()
+    with pytest.raises(Ran):
+        experiment.main(argv(warm, runs, results, "--arms", "envace", "--seeds", "0"))
+    (cmd,) = calls
+    assert cmd[:3] == ["train.py", "--model", str(warm)]
+    assert cmd[cmd.index("--steps") + 1] == "100" and cmd[cmd.index("--sft-steps") + 1] == "0"
+    assert cmd[-4:] == ["--env", "rehearse", "--train-roles", "act,world"]
+
+
+def fake_checkpoint(run: Path, warm: Path, steps: int):
+    ckpt = run / "ckpt" / f"step_{steps:06d}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": steps}))
+    (run / "latest").write_text(f"ckpt/{ckpt.name}\n")
+    (run / "config.json").write_text(json.dumps({"model": str(warm)}))
+
+
+def test_a_shorter_run_is_resumed(tmp_path):
+    warm, runs, results = setup_run(tmp_path)
+    args = experiment.parse_args(argv(warm, runs, results))
+    run = runs / "envace-s0"
+    fake_checkpoint(run, warm, 40)
+    assert experiment.train_command("envace", 0, run, args) == ["train.py", "--resume", str(run), "--steps", "100"]
+    fake_checkpoint(run, warm, 100)
+    assert experiment.train_command("envace", 0, run, args) is None
+    (run / "config.json").write_text(json.dumps({"model": "another/warm/start"}))
+    with pytest.raises(SystemExit, match="started from another/warm/start"):
+        experiment.train_command("envace", 0, run, args)
+
+
+def fake_commands(warm: Path):
+    """train.py writes a checkpoint and 3 GRPO steps of metrics; evaluate.py a summary and one trajectory."""
+    def run(cmd, log):
+        out = Path(cmd[cmd.index("--out") + 1])
+        if cmd[0] == "train.py":
+            fake_checkpoint(out, warm, 100)
+            records = [{"step": s, "phase": "grpo", "reward_mean": 0.5, "success_rate": 0.25, "flat_group_share": 0.5,
+                        "loss": 0.1, "fidelity_exact/buy": 0.5, "fidelity_n/buy": 2, "fidelity_kv/buy": 0.5}
+                       for s in range(3)]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        else:
+            out.mkdir(parents=True)
+            flag = "--compare" if "--compare" in cmd else "--rehearsal-budget"
+            budgets = cmd[cmd.index(flag) + 1]
+            fid = [{"call": {"name": "get_price"}, "exact": True, "kv_agreement": 1.0, "error_correct": True}]
+            (out / "t.jsonl").write_text(json.dumps({"fidelity": fid}) + "\n")
+            runs = {f"B={b}": {"overall": {"success": 0.25}, "jsonl": str(out / "t.jsonl")} for b in budgets.split(",")}
+            (out / "summary.json").write_text(json.dumps({"runs": runs, "rehearsal_diagnostics": {"x": 1}}))
+        return {"cmd": "python " + " ".join(cmd), "wall_seconds": 1.0, "cpu_seconds": 2.0}
+    return run
+
+
+def test_piece_json_layout(tmp_path, monkeypatch):
+    warm, runs, results = setup_run(tmp_path)
+    monkeypatch.setattr(experiment, "run_command", fake_commands(warm))
+    assert experiment.main(argv(warm, runs, results, "--arms", "frozen-sim", "--seeds", "1")) == 0
+    p = json.loads((results / "frozen-sim-s1.json").read_text())
+    assert p["arm"] == "frozen-sim" and p["seed"] == 1 and p["mirrors"] == "run_checklist_caller_only.sh"
+    assert [c["cmd"].split()[1] for c in p["commands"]] == ["train.py", "evaluate.py", "evaluate.py"]
+    assert p["wall_seconds"] == 3.0 and p["cpu_seconds"] == 6.0 and p["grpo_steps"] == 100
+    assert list(p["training_curve"][0]) == ["step", "reward_mean", "success_rate", "flat_group_share",
+                                            "fidelity_exact/buy", "fidelity_n/buy"]
+    assert list(p["held_out"]) == experiment.BUDGET_LABELS
+    assert p["fidelity_by_tool"]["get_price"]["exact"] == 1.0
+    assert p["rehearsal_diagnostics"] == {"parallel": {"x": 1}, "sequential": {"x": 1}}
+    assert json.loads((results / "warm-start.json").read_text())["training_curve"] == []
+    assert (results / "table.md").exists()
