@@ -66,6 +66,9 @@ def build_parser():
                    "a local HF folder or a .gguf file")
     add_template_args(p)
     p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
+    p.add_argument("--world-model", default="auto", help="who writes the private rehearsals and fidelity probes: "
+                   "'auto' (the checkpoint's world_model/ folder, saved by a --world-model separate run, else the "
+                   "policy), 'policy', or a local HF folder sharing the policy's tokenizer")
     p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
                    "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default="test")
@@ -289,7 +292,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             bar.update(1)
 
         max_rows = args.max_rows or (64 if budget == 0 else 1 + budget)
-        rehearse.act_many(eng, specs, rcfg, max_rows=max_rows, on_done=done)
+        rehearse.act_many(eng, specs, rcfg, max_rows=max_rows, on_done=done, world_model=args.world_engine)
     bar.close()
     return records
 
@@ -345,6 +348,20 @@ def main(argv=None) -> int:
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
 
+    args.world_engine = None     # the world model's module (None: the policy writes WORLD segments)
+    world = args.world_model
+    if world == "auto":
+        world = str(Path(model_name) / "world_model") if (Path(model_name) / "world_model" / "config.json").exists() \
+            else "policy"
+    if world != "policy":
+        try:
+            wm, wtok = policy.load_policy(world, dtype=dtype, device=device)
+        except policy.PolicyLoadError as exc:
+            parser.error(f"--world-model: {exc}")
+        if wtok.get_vocab() != eng.tok.get_vocab():
+            parser.error(f"--world-model {world} has another tokenizer than the policy; both read one token sequence")
+        args.world_engine = wm.eval()
+        print(f"world model: {world} writes the rehearsed responses", file=sys.stderr)
     args.user_engine = None
     if args.user_model:   # the user model keeps its own template and variables
         try:
@@ -362,6 +379,7 @@ def main(argv=None) -> int:
         records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": str(path)}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
+               "world_model": world,
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},

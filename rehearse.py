@@ -435,11 +435,13 @@ class EpisodeSpec:
 
 @torch.inference_mode()
 def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_rows: int = 64, on_done=None,
-             progress=None) -> list[Episode]:
+             progress=None, world_model=None) -> list[Episode]:
     """Committed trajectories for many tasks in one engine batch: each task's committed row and its private
     branches are rows of the same decode loop; tasks join as rows leave, holding at most ~max_rows rows
     (each task brings 1 + budget). Results equal running each spec alone (greedy: the same tokens; sampled:
-    each row samples from generators seeded by its own spec). on_done(i, episode) as each one ends."""
+    each row samples from generators seeded by its own spec). on_done(i, episode) as each one ends.
+    world_model: another model writes every WORLD segment (private rehearsals, fidelity probes), as a
+    per-role run's trained world model (Engine.run's argument of the same name)."""
     rcfg = rcfg or RehearsalConfig()
     specs = list(specs)
     if len({json.dumps({**s.cfg.__dict__, "seed": 0}, sort_keys=True) for s in specs}) > 1:
@@ -479,7 +481,7 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
                     on_done(i, episodes[i])
 
     cfg = specs[0].cfg if specs else SamplingConfig()
-    batch = KVBatch(eng.model, eng.tok.pad_token_id)
+    batch = KVBatch(eng.model, eng.tok.pad_token_id, world_model=world_model)
     eng.decode(batch, cfg, None, steer, admit=lambda n: (finished(), admit(n))[1], progress=progress)
     finished()
     return episodes

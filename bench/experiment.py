@@ -79,8 +79,6 @@ DEFAULT_ARMS = ["frozen-sim", "per-role", "envace", "real"]
 ROW_ORDER = ["warm-start", "frozen-sim", "per-role", "envace", "act-only", "real"]
 PAPER_ORDER = ["frozen-sim", "per-role", "envace"]          # increasing success, as the paper reports
 TOOLS = ["get_balance", "get_price", "transfer", "buy"]
-PARALLEL_BUDGETS = [0, 1, 2, 4]
-SEQUENTIAL_BUDGET = 2
 BUDGET_LABELS = ["B=0", "B=1", "B=2", "B=4", "seq B=2"]
 WINDOW = 10           # steps: the plots' moving average, and the first/last windows of training-time fidelity
 PIECE_CPU_LIMIT = 3600
@@ -160,14 +158,22 @@ def train_command(arm: str, seed: int, run_dir: Path, args) -> list[str] | None:
             "--save-every", str(args.save_every), *ARMS[arm].flags]
 
 
-def eval_commands(ckpt: str, seed: int, eval_dir: Path, limit: int) -> dict[str, list[str]]:
-    """Parallel budgets with the fidelity probe (every real call also rehearsed in a discarded fork), and
-    the sequential budget without it (its fidelity would repeat the parallel runs' at a second cost)."""
-    common = ["evaluate.py", "--model", ckpt, "--limit", str(limit), "--seed", str(seed)]
-    return {"parallel": [*common, "--compare", ",".join(map(str, PARALLEL_BUDGETS)), "--rehearsal-mode",
-                         "parallel", "--fidelity", "--out", rel(eval_dir / "parallel")],
-            "sequential": [*common, "--rehearsal-budget", str(SEQUENTIAL_BUDGET), "--rehearsal-mode",
-                           "sequential", "--no-fidelity", "--out", rel(eval_dir / "sequential")]}
+def eval_labels(args) -> list[str]:
+    """The held-out runs a piece holds: parallel budgets ("B=2") and sequential ones ("seq B=2")."""
+    return [f"B={b}" for b in args.budgets] + [f"seq B={b}" for b in args.seq_budgets]
+
+
+def eval_command(label: str, ckpt: str, seed: int, out: Path, limit: int) -> list[str]:
+    """One budget, one folder: a piece can gain budgets later without redoing the ones it has. B=0 carries
+    the fidelity probe (every real call also rehearsed in a discarded fork), which needs no rehearsal budget."""
+    budget = int(label.split("=")[1])
+    mode = "sequential" if label.startswith("seq") else "parallel"
+    cmd = ["evaluate.py", "--model", ckpt, "--limit", str(limit), "--seed", str(seed),
+           "--rehearsal-budget", str(budget), "--rehearsal-mode", mode, "--out", rel(out)]
+    world = ROOT / ckpt / "world_model"            # per-role: the trained world model writes the rehearsals
+    if world.is_dir():
+        cmd += ["--world-model", rel(world)]
+    return cmd + (["--fidelity"] if label == "B=0" else ["--no-fidelity"])
 
 
 def training_curve(metrics: Path) -> list[dict]:
@@ -189,18 +195,13 @@ def fidelity_per_tool(trajectories: Path) -> dict:
     return reward.fidelity_by_tool(reward.fidelity_sums(pairs))
 
 
-def held_out_results(eval_dir: Path) -> tuple[dict, dict]:
-    """({budget label: evaluate's summary of that run, with fidelity per tool}, any rehearsal_diagnostics)."""
-    results, diagnostics = {}, {}
-    for mode in ("parallel", "sequential"):
-        summary = json.loads((eval_dir / mode / "summary.json").read_text())
-        if "rehearsal_diagnostics" in summary:
-            diagnostics[mode] = summary["rehearsal_diagnostics"]
-        for label, run in summary["runs"].items():
-            entry = {k: v for k, v in run.items() if k != "jsonl"}
-            entry["fidelity_by_tool"] = fidelity_per_tool(ROOT / run["jsonl"])
-            results[label if mode == "parallel" else f"seq {label}"] = entry
-    return results, diagnostics
+def held_out_result(out: Path) -> tuple[dict, dict | None]:
+    """(evaluate's summary of one run, with fidelity per tool; its rehearsal_diagnostics or None)."""
+    summary = json.loads((out / "summary.json").read_text())
+    (run,) = summary["runs"].values()
+    entry = {k: v for k, v in run.items() if k != "jsonl"}
+    entry["fidelity_by_tool"] = fidelity_per_tool(ROOT / run["jsonl"])
+    return entry, run.get("rehearsal_diagnostics", summary.get("rehearsal_diagnostics"))
 
 
 def warm_start_config(ckpt: str) -> dict:
@@ -213,35 +214,41 @@ def warm_start_config(ckpt: str) -> dict:
     return {k: cfg[k] for k in keys if k in cfg}
 
 
-def run_piece(name: str, arm: str, seed: int, args) -> dict:
-    """Train (or continue) and evaluate one piece; returns its JSON record (not yet written)."""
+def run_piece(name: str, arm: str, seed: int, args, piece: dict | None = None) -> dict:
+    """Train (or continue) and evaluate one piece; returns its JSON record (not yet written). Given the
+    piece's existing record, only the held-out runs it lacks are evaluated."""
     run_dir, ledger = args.runs / name, args.runs / f"{name}.commands.jsonl"
-    curve, ckpt, steps = [], args.warm_start, 0
-    if arm != "warm-start":
-        cmd = train_command(arm, seed, run_dir, args)
-        if cmd:
-            run_logged(cmd, args.runs / f"{name}.train.log", ledger)
-        ckpt_path, steps = latest_checkpoint(run_dir)
-        ckpt, curve = rel(ckpt_path), training_curve(run_dir / "metrics.jsonl")
-    eval_dir = run_dir / f"eval-{Path(ckpt).name}"       # named by checkpoint: a continued run is re-evaluated
-    for mode, cmd in eval_commands(ckpt, seed, eval_dir, args.limit).items():
-        if not (eval_dir / mode / "summary.json").exists():
-            run_logged(cmd, args.runs / f"{name}.eval-{mode}.log", ledger)
-    held_out, diagnostics = held_out_results(eval_dir)
+    if piece is None:
+        curve, ckpt, steps = [], args.warm_start, 0
+        if arm != "warm-start":
+            cmd = train_command(arm, seed, run_dir, args)
+            if cmd:
+                run_logged(cmd, args.runs / f"{name}.train.log", ledger)
+            ckpt_path, steps = latest_checkpoint(run_dir)
+            ckpt, curve = rel(ckpt_path), training_curve(run_dir / "metrics.jsonl")
+        piece = {"piece": name, "arm": arm, "seed": seed, "train_flags": ARMS[arm].flags if arm in ARMS else [],
+                 "mirrors": ARMS[arm].mirrors if arm in ARMS else "",
+                 "warm_start": args.warm_start, "warm_start_note": args.warm_start_note,
+                 "warm_start_config": warm_start_config(args.warm_start),
+                 "checkpoint": ckpt, "grpo_steps": steps, "lr": args.lr, "tasks_per_step": args.tasks_per_step,
+                 "group_size": args.group_size, "eval_tasks": args.limit, "eval_seed": seed,
+                 "host": args.host, "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+                 "training_curve": curve, "held_out": {}}
+    eval_dir = run_dir / f"eval-{Path(piece['checkpoint']).name}"   # by checkpoint: a continued run is re-evaluated
+    for label in eval_labels(args):
+        if label in piece["held_out"]:
+            continue
+        out = eval_dir / label.replace(" ", "-").replace("=", "")
+        if not (out / "summary.json").exists():
+            run_logged(eval_command(label, piece["checkpoint"], seed, out, piece["eval_tasks"]),
+                       args.runs / f"{name}.eval-{out.name}.log", ledger)
+        piece["held_out"][label], diagnostics = held_out_result(out)
+        if diagnostics:
+            piece.setdefault("rehearsal_diagnostics", {})[label] = diagnostics
     commands = read_jsonl(ledger)
-    piece = {"piece": name, "arm": arm, "seed": seed, "train_flags": ARMS[arm].flags if arm in ARMS else [],
-             "mirrors": ARMS[arm].mirrors if arm in ARMS else "",
-             "warm_start": args.warm_start, "warm_start_note": args.warm_start_note,
-             "warm_start_config": warm_start_config(args.warm_start),
-             "checkpoint": ckpt, "grpo_steps": steps, "lr": args.lr, "tasks_per_step": args.tasks_per_step,
-             "group_size": args.group_size, "eval_tasks": args.limit, "eval_seed": seed,
-             "host": args.host, "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
-             "commands": commands, "wall_seconds": round(sum(c["wall_seconds"] for c in commands), 1),
-             "cpu_seconds": round(sum(c["cpu_seconds"] for c in commands), 1),
-             "training_curve": curve, "held_out": held_out,
-             "fidelity_by_tool": held_out.get("B=0", {}).get("fidelity_by_tool", {})}
-    if diagnostics:
-        piece["rehearsal_diagnostics"] = diagnostics
+    piece.update(commands=commands, wall_seconds=round(sum(c["wall_seconds"] for c in commands), 1),
+                 cpu_seconds=round(sum(c["cpu_seconds"] for c in commands), 1),
+                 fidelity_by_tool=piece["held_out"].get("B=0", {}).get("fidelity_by_tool", {}))
     return piece
 
 
@@ -255,12 +262,13 @@ def run_pieces(args) -> list[str]:
     failures = []
     for name, arm, seed in todo:
         path = args.results / f"{name}.json"
-        if path.exists():
-            print(f"{name}: {rel(path)} exists, skipped")
+        done = json.loads(path.read_text()) if path.exists() else None
+        if done is not None and all(label in done["held_out"] for label in eval_labels(args)):
+            print(f"{name}: {rel(path)} holds every budget asked for, skipped")
             continue
-        print(f"{name}:", flush=True)
+        print(f"{name}:" if done is None else f"{name}: adding budgets to {rel(path)}", flush=True)
         try:
-            piece = run_piece(name, arm, seed, args)
+            piece = run_piece(name, arm, seed, args, done)
         except CommandFailed as exc:
             print(f"{name}: FAILED, {exc}", flush=True)
             failures.append(name)
@@ -268,7 +276,7 @@ def run_pieces(args) -> list[str]:
         path.write_text(json.dumps(piece, indent=1) + "\n")
         over = "  OVER the hour a piece should take" if piece["cpu_seconds"] > PIECE_CPU_LIMIT else ""
         print(f"{name}: {piece['wall_seconds'] / 60:.1f} min wall, {piece['cpu_seconds'] / 60:.1f} min CPU, "
-              f"B=0 success {piece['held_out']['B=0']['overall']['success']:.3f}; wrote {rel(path)}{over}",
+              f"B=0 success {piece['held_out'].get('B=0', {}).get('overall', {}).get('success')}; wrote {rel(path)}{over}",
               flush=True)
     return failures
 
@@ -532,6 +540,9 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--save-every", type=int, default=10, help="checkpoint interval: a stopped piece loses less")
     ap.add_argument("--limit", type=int, default=32, help="held-out test tasks evaluated")
+    ap.add_argument("--budgets", default="0,1,2,4", help="parallel rehearsal budgets evaluated (a piece written "
+                    "with fewer gains the missing ones on a later run)")
+    ap.add_argument("--seq-budgets", default="2", help="sequential rehearsal budgets evaluated ('' for none)")
     ap.add_argument("--host", default="2 cores of a shared x86 host", help="recorded with every piece")
     ap.add_argument("--runs", default="runs/experiment", help="run folders (not committed)")
     ap.add_argument("--results", default="results/experiment", help="piece JSONs, table.md and plots")
@@ -543,6 +554,8 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    args.seq_budgets = [int(b) for b in args.seq_budgets.split(",") if b.strip()]
     if not args.only_report and not args.warm_start:
         ap.error("--warm-start PATH is required to run pieces (train it as the module docstring says)")
     if args.warm_start:

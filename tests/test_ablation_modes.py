@@ -218,3 +218,36 @@ def test_both_modes_run_under_fsdp_with_two_processes(micro_path, tmp_path, mode
     ckpt = tmp_path / f"run-{mode}" / "ckpt" / "step_000002"
     has_world = [(ckpt / f"optim_world_rank{r}.pt").exists() for r in (0, 1)] + [(ckpt / "world_model").is_dir()]
     assert all(has_world) if mode == "separate" else not any(has_world)
+
+
+def test_evaluate_finds_a_per_role_checkpoints_world_model(micro_path, tmp_path, scripted):
+    """A --world-model separate checkpoint holds world_model/; evaluate.py uses it ('auto') or not ('policy')."""
+    import evaluate
+    assert run_train(small_run(micro_path, tmp_path / "run", 2)).returncode == 0
+    ckpt = tmp_path / "run" / "ckpt" / "step_000003"
+    for world, expect in (("auto", str(ckpt / "world_model")), ("policy", "policy")):
+        out = tmp_path / f"eval-{world}"
+        assert evaluate.main(["--model", str(ckpt), "--limit", "2", "--greedy", "--max-new-tokens", "8",
+                              "--max-turns", "1", "--world-model", world, "--out", str(out)]) == 0
+        assert json.loads((out / "summary.json").read_text())["world_model"] == expect
+
+
+def test_test_time_rehearsals_and_probes_are_written_by_the_world_model(micro_path, tmp_path):
+    import rehearse
+    from tests.scripted import EchoEnv, tasks
+    model, tok = policy.load_policy(str(micro_path))
+    other, _ = policy.load_policy(str(other_weights(micro_path, tmp_path / "w")))
+    twin, _ = policy.load_policy(str(micro_path))
+    eng = rollout.Engine(model.eval(), tok)
+    lookup = [call_text("lookup", '{"key": "'), 2, '"}}\n</tool_call>']
+    cfg = rollout.SamplingConfig(greedy=True, max_new_tokens=32, max_world_tokens=12, max_turns=3)
+
+    def probes(world_model):
+        spec = rehearse.EpisodeSpec(tasks(1)[0], cfg, EchoEnv())
+        ep = rehearse.act_many(eng, [spec], rehearse.RehearsalConfig(budget=1, fidelity=True),
+                               steer=Script(tok, {0: [lookup, ["done"]], 1: [lookup]}), world_model=world_model)[0]
+        return ep.fidelity, [r.get("predicted") for turn in ep.rehearsals for r in turn]
+
+    own, by_twin, by_other = probes(None), probes(twin.eval()), probes(other.eval())
+    assert own[0] and own == by_twin                  # the same weights in a lane of their own: same tokens
+    assert by_other != own                            # another world model: other rehearsed responses

@@ -199,12 +199,37 @@ def test_piece_json_layout(tmp_path, monkeypatch):
     assert experiment.main(argv(warm, runs, results, "--arms", "frozen-sim", "--seeds", "1")) == 0
     p = json.loads((results / "frozen-sim-s1.json").read_text())
     assert p["arm"] == "frozen-sim" and p["seed"] == 1 and p["mirrors"] == "run_checklist_caller_only.sh"
-    assert [c["cmd"].split()[1] for c in p["commands"]] == ["train.py", "evaluate.py", "evaluate.py"]
-    assert p["wall_seconds"] == 3.0 and p["cpu_seconds"] == 6.0 and p["grpo_steps"] == 100
+    assert [c["cmd"].split()[1] for c in p["commands"]] == ["train.py"] + ["evaluate.py"] * 5
+    assert p["wall_seconds"] == 6.0 and p["cpu_seconds"] == 12.0 and p["grpo_steps"] == 100
     assert list(p["training_curve"][0]) == ["step", "reward_mean", "success_rate", "flat_group_share",
                                             "fidelity_exact/buy", "fidelity_n/buy"]
     assert list(p["held_out"]) == experiment.BUDGET_LABELS
     assert p["fidelity_by_tool"]["get_price"]["exact"] == 1.0
-    assert p["rehearsal_diagnostics"] == {"parallel": {"x": 1}, "sequential": {"x": 1}}
+    assert p["rehearsal_diagnostics"] == {label: {"x": 1} for label in experiment.BUDGET_LABELS}
     assert json.loads((results / "warm-start.json").read_text())["training_curve"] == []
     assert (results / "table.md").exists()
+
+
+def test_a_piece_gains_the_budgets_it_lacks_without_retraining(tmp_path, monkeypatch):
+    warm, runs, results = setup_run(tmp_path)
+    calls = []
+    fake = fake_commands(warm)
+    monkeypatch.setattr(experiment, "run_command", lambda cmd, log: calls.append(cmd) or fake(cmd, log))
+    assert experiment.main(argv(warm, runs, results, "--arms", "envace", "--seeds", "0", "--budgets", "0",
+                                "--seq-budgets", "")) == 0
+    assert list(json.loads((results / "envace-s0.json").read_text())["held_out"]) == ["B=0"]
+    calls.clear()
+    assert experiment.main(argv(warm, runs, results, "--arms", "envace", "--seeds", "0", "--budgets", "0,2")) == 0
+    assert [(c[0], c[c.index("--rehearsal-budget") + 1] if "--rehearsal-budget" in c else None) for c in calls] \
+        == [("evaluate.py", "2")] * 4          # B=2 and seq B=2 of the warm start, then of envace
+    p = json.loads((results / "envace-s0.json").read_text())
+    assert sorted(p["held_out"]) == ["B=0", "B=2", "seq B=2"] and p["training_curve"]
+    assert len(p["commands"]) == 4          # train, B=0, then the two added
+
+
+def test_per_role_checkpoints_are_evaluated_with_their_world_model(tmp_path):
+    ckpt = tmp_path / "ck"
+    (ckpt / "world_model").mkdir(parents=True)
+    cmd = experiment.eval_command("B=2", str(ckpt), 0, tmp_path / "o", 8)
+    assert cmd[cmd.index("--world-model") + 1].endswith("ck/world_model") and "--no-fidelity" in cmd
+    assert "--world-model" not in experiment.eval_command("B=0", str(tmp_path), 0, tmp_path / "o", 8)
