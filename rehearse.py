@@ -10,7 +10,7 @@ import json
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -149,11 +149,27 @@ def _call_turn(call: dict) -> dict:
             "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]}
 
 
-def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=(1, 2, 4)) -> list:
+MEMORY_SOURCES = ("real", "self")
+
+
+def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=(1, 2, 4), memory: str = "real",
+                        sampling: SamplingConfig | None = None, steer=None) -> list:
     """One assessment example and one memory example (token ids, role ids) from a reference chat.
 
     A call turn of the reference is picked at random; `make_env(task)` replays the reference calls before it
-    to get the real responses of the proposals. Returns [] when the chat has no single-call turn."""
+    to get the real responses of the proposals. Returns [] when the chat has no single-call turn.
+
+    `memory` says what the memory example's lines hold. "real": each proposal's real response, judged by the
+    rule on it (assessment_for). "self": what the current model rehearses for the proposal, written as at test
+    time (predict_responses with `sampling`, its seed drawn from rng; `steer` as in act), judged by the rule
+    on that prediction: where the prediction is right about the call failing or not (fidelity's
+    error_correct against the real response) that is the real-mode judgement; where it is not, it is the
+    judgement the misleading prediction leads to, as a test-time assessor reading only its own prediction
+    would write. The committed turn stays the reference either way, so "self" teaches to commit the right
+    call past the model's own wrong notes. The assessment example is the same in both modes (its WORLD
+    tokens, which are trained, are the real response)."""
+    if memory not in MEMORY_SOURCES:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY_SOURCES)}, not {memory!r}")
     fmt = eng.fmt
     turns = [i for i, m in enumerate(messages) if i >= len(task.messages) and m["role"] == "assistant"
              and len(m.get("tool_calls") or []) == 1]
@@ -182,13 +198,18 @@ def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=
         return prop, {"content": "", "assessment": assessment_for(prop == ref, obs),
                       "items": [{"name": prop["name"], "arguments": prop["arguments"], "predicted": obs}]}
 
+    def proposal_context(prop):
+        """Ids and roles up to where the policy writes the proposal's response, laid out as `act` lays them."""
+        ids, roles = encode_conversation(eng, task, messages[:t] + [_call_turn(prop)])
+        p, r = fmt.encode([(fmt.after_eos + fmt.tool_open, Role.PROMPT, True)])
+        return ids + p, roles + [int(x) for x in r]
+
     # assessment: the proposal's body as the template renders it, then the rehearsal and the judgement, each
     # stretch encoded as `act` encodes it (text between two generated segments in one piece)
     prop, first = rehearsal()
     obs = first["items"][0]["predicted"]
-    ids, roles = encode_conversation(eng, task, messages[:t] + [_call_turn(prop)])
-    for pieces in ([(fmt.after_eos + fmt.tool_open, Role.PROMPT, True)],
-                   [(fmt.response_text(obs), Role.WORLD, False), (fmt.obs_end, Role.WORLD, True)],
+    ids, roles = proposal_context(prop)
+    for pieces in ([(fmt.response_text(obs), Role.WORLD, False), (fmt.obs_end, Role.WORLD, True)],
                    [(fmt.tool_close, Role.PROMPT, True), (ASSESS_PREFIX, Role.PROMPT, False)],
                    [(first["assessment"], Role.ACT, False)]):
         p, r = fmt.encode(pieces)
@@ -196,11 +217,44 @@ def warm_start_examples(eng, task, messages: list[dict], make_env, rng, budgets=
         roles += [int(x) for x in r]
     examples = [(ids + [fmt.eos_id], roles + [int(Role.ACT)])]
     # memory: that rehearsal and up to 3 more in front of the reference turn
-    records = [first] + [rehearsal()[1] for _ in range(rng.choice(list(budgets)) - 1)]
+    more = [rehearsal() for _ in range(rng.choice(list(budgets)) - 1)]
+    props, records = [prop] + [p for p, _ in more], [first] + [rec for _, rec in more]
+    if memory == "self":
+        cfg = replace(sampling or SamplingConfig(), seed=rng.randrange(2 ** 31))
+        predicted = predict_responses(eng, task, [proposal_context(p)[0] for p in props], cfg, steer)
+        records = [{**rec, "assessment": assessment_for(p == ref, pred),
+                    "items": [{**rec["items"][0], "predicted": pred}]}
+                   for p, rec, pred in zip(props, records, predicted)]
     mem = fmt.encode_text(memory_text(records))
     mem_roles = [int(Role.PROMPT)] * len(mem)
     examples.append((full_ids[:n] + mem + full_ids[n:], full_roles[:n] + mem_roles + full_roles[n:]))
     return examples
+
+
+@torch.no_grad()
+def predict_responses(eng, task, contexts: list[list[int]], cfg: SamplingConfig, steer=None) -> list[str]:
+    """The policy's own rehearsed response after each context (token ids ending with the tool-response
+    opening), written as at test time: a WORLD segment up to the closing tag or cfg.max_world_tokens, read
+    by Engine.rehearsal_text. Row k is stream k (for `steer`) and samples from a generator seeded by
+    (cfg.seed, k). A context past cfg.max_total_len predicts ""."""
+    predicted = [""] * len(contexts)
+    rows = []
+    for k, ids in enumerate(contexts):
+        def end(row, stopped, k=k):
+            predicted[k] = eng.rehearsal_text(row.ids[row.gen_start:], stopped)[0]
+        row = Row(task, ids, stream=k, seed=derive_seed(cfg.seed, "self-memory", k), bucket="private")
+        row.plan.append(Generate(Role.WORLD, cfg.max_world_tokens, on_end=end))
+        eng.advance(row)
+        rows.append(row)
+    joining = [rows]
+    training = eng.model.training
+    eng.model.eval()              # sampled as at test time (no dropout), whatever the caller's mode
+    try:
+        eng.decode(KVBatch(eng.model, eng.tok.pad_token_id), cfg, None, steer,
+                   admit=lambda n: joining.pop() if joining else [])
+    finally:
+        eng.model.train(training)
+    return predicted
 
 
 # -- fidelity of the world model -----------------------------------------------------------------------------
