@@ -270,3 +270,27 @@ def test_summary_and_table_show_the_diagnostics():
     row = next(line for line in text.splitlines() if line.startswith("rehearsal assess_agree_rate"))
     assert row.split()[-2:] == ["-", "0.500"]
     assert any(line.startswith("rehearsal helped ") and line.split()[-1] == "4" for line in text.splitlines())
+
+
+def test_evaluate_writes_the_scripted_episodes_diagnostics(eng, micro64, tmp_path, monkeypatch):
+    """evaluate.run_budget at B=1 on the scripted episode: the JSONL record holds the per-turn log and the
+    counts (disagree / changed / helped), and the run summary adds them up."""
+    _, tok = micro64
+    task = balance_task()
+    script = Script(tok, {0: [GOOD, ANSWER], 1: [BAD, [ASSESS_OK], ANSWER]}, {1: [PREDICTED]})
+    act_many = rehearse.act_many
+    monkeypatch.setattr(rehearse, "act_many", lambda *a, **kw: act_many(*a, steer=script, **kw))
+    args = types.SimpleNamespace(rehearsal_mode="parallel", temperature=0.6, top_p=0.95, greedy=True, seed=0,
+                                 num_trials=1, max_new_tokens=80, max_world_tokens=32, max_turns=8,
+                                 max_total_len=2048, max_rows=None, user_engine=None)
+    path = tmp_path / "traj.jsonl"
+    records = evaluate.run_budget(eng, toyworld, [task], args, 1, path, False)
+    assert json.loads(path.read_text().splitlines()[0]) == records[0]
+    diag = records[0]["rehearsal_diagnostics"]
+    assert diag["turns"][0]["proposals"][0]["real"] == ['{"error": "unknown account: zed"}']
+    assert diag["turns"][0]["committed"]["outcome"] == "right" and diag["turns"][0]["effect"] == "helped"
+    c = diag["counts"]
+    assert (c["assess_disagree"], c["changed"], c["helped"], c["turns"]) == (1, 1, 1, 2)
+    s = evaluate.summarize("toyworld", records, 1)["rehearsal_diagnostics"]
+    assert s["assess_agree_rate"] == 0.0 and s["changed_rate"] == 1.0 and s["helped_rate"] == 1.0
+    assert s["verdict_vs_outcome"] == {"ok/error": 1}
