@@ -16,6 +16,13 @@ over tasks of C(c,k)/C(n,k), c = trials with reward 1), tool precision/recall/F1
 (FinMCP), world-model fidelity on real calls (`--fidelity`, on by default for toyworld), and what rehearsal
 cost: extra sampled + fed tokens and seconds per committed turn and per committed call.
 
+With B > 0, rehearsal diagnostics (rehearse.rehearsal_diagnostics, verifier side, after each episode: every
+proposal is executed on a fresh environment rebuilt to its turn's state, nothing reaches the policy): per
+committed turn in the JSONL ("rehearsal_diagnostics": "turns" and "counts"), summed per run in summary.json
+(runs.B=N.rehearsal_diagnostics) and in the table (rows "rehearsal ..."): how often the self-assessment's
+verdict agrees with the proposal's real outcome, how often the committed call differs from the first
+proposal, and whether such a change helped or hurt.
+
 --model auto (default) uses the checkpoint `python train.py` writes: runs/tiny-toyworld/latest holds the path
 of an HF folder relative to runs/tiny-toyworld/; without it the untrained embedded tiny model is used.
 """
@@ -31,6 +38,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 GROUP_KEYS = ("family", "category", "domain")
+# rehearsal diagnostics shown in the table (B > 0); summary.json holds them all
+TABLE_DIAGNOSTICS = ("rehearsed_turns", "assessed", "assess_agree_rate", "assess_agree", "assess_disagree",
+                     "assess_unmeasured", "verdict_unparsed", "changed_rate", "changed", "helped", "hurt", "neutral",
+                     "effect_unmeasured")
 TRAIN_RUN = Path("runs/tiny-toyworld")
 DEFAULT_TOYWORLD_LIMIT = 32
 LIMITS = {"default": {"max_new_tokens": 256, "max_world_tokens": 128, "max_turns": 30, "max_total_len": 16384},
@@ -172,6 +183,10 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
                                "error_correct": _mean([float(f["error_correct"]) for f in pairs]),
                                "real_errors": sum(f["real_error"] for f in pairs),
                                "predicted_errors": sum(f["predicted_error"] for f in pairs)}
+    diagnosed = [r["rehearsal_diagnostics"]["counts"] for r in records if "rehearsal_diagnostics" in r]
+    if diagnosed:
+        from rehearse import diagnostic_summary
+        summary["rehearsal_diagnostics"] = diagnostic_summary(diagnosed)
     st = [r["stats"] for r in records]
     tot = {key: sum(s.get(key, 0) for s in st) for key in
            ("committed_turns", "committed_calls", "rehearsals", "extra_sampled", "extra_fed", "extra_tokens",
@@ -216,6 +231,8 @@ def table(bench_name: str, runs: dict) -> str:
         metric_rows(f"  {g} ", lambda s, g=g: {k: v for k, v in s["groups"].get(g, {}).items()
                                                if k not in ("tasks", "trajectories")})
     metric_rows("fidelity ", lambda s: s.get("fidelity"))
+    metric_rows("rehearsal ", lambda s: {k: s["rehearsal_diagnostics"][k] for k in TABLE_DIAGNOSTICS}
+                if "rehearsal_diagnostics" in s else None)
     metric_rows("cost ", lambda s: {k: s["cost"][k] for k in ("committed_turns", "committed_calls", "rehearsals",
                                                                "extra_tokens_per_turn",
                                                                "extra_tokens_per_call", "extra_seconds_per_turn",
@@ -244,6 +261,12 @@ def resolve_model(name: str) -> str:
 
 def _jsonable(x):
     return json.loads(json.dumps(x, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+
+
+def gold_calls(mod, task):
+    """The calls a correct solution makes, where the benchmark can say (a `gold_calls(task)` of its module),
+    else None: rehearsal diagnostics then judge errors only."""
+    return mod.gold_calls(task) if hasattr(mod, "gold_calls") else None
 
 
 def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
@@ -285,6 +308,10 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
                                   for turn in ep.rehearsals],
                    "fidelity": ep.fidelity,
                    "stats": {k: v for k, v in ep.stats.items()}}
+            if budget > 0:   # verifier side, after the episode: proposals run on a rebuilt copy of the env
+                turns = rehearse.rehearsal_diagnostics(task, traj, ep.rehearsals, mod.make_env, eng.fmt,
+                                                       gold_calls(mod, task))
+                rec["rehearsal_diagnostics"] = {"counts": rehearse.diagnostic_counts(turns), "turns": turns}
             rec = _jsonable(rec)
             fh.write(json.dumps(rec) + "\n")
             fh.flush()

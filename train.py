@@ -232,6 +232,8 @@ class TrainConfig:
     sft_lr: float = 5e-3
     sft_warmup: int = 30             # linear ramp of sft_lr over the first steps
     sft_rehearsal_frac: float = -1.0  # share of warm-start sequences teaching the test-time rehearsal format
+    sft_memory: str = "real"         # their memory lines hold: real (real responses) | self (the model's own
+                                     # rehearsed responses, sampled as in the rollouts; rehearse.warm_start_examples)
     sft_world_frac: float = 0.0      # share of warm-start sequences that are world examples (toy world only)
     sft_world_skip: str = ""         # comma list of tools whose responses get no warm-start loss (mechanism test)
     beta2: float = 0.95              # AdamW beta2 (0.95: the usual LM choice; tiny-model SFT learns ~2x faster)
@@ -348,6 +350,8 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-warmup must be >= 0, got {cfg.sft_warmup}")
     if cfg.sft_rehearsal_frac != -1.0 and not 0 <= cfg.sft_rehearsal_frac <= 1:
         raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1] (or -1: auto), got {cfg.sft_rehearsal_frac}")
+    if cfg.sft_memory not in ("real", "self"):
+        raise ConfigError(f"--sft-memory must be real or self, not {cfg.sft_memory!r}")
     if not 0 <= cfg.sft_world_frac <= 1:   # also refuses nan
         raise ConfigError(f"--sft-world-frac must be in [0, 1], got {cfg.sft_world_frac}")
     if cfg.sft_world_frac > 0 and not hasattr(load_bench(cfg.bench), "world_examples"):
@@ -582,11 +586,12 @@ def without_world_loss(engine, task, ids: list[int], roles: list[int], tools: fr
 
 
 def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random, world_frac: float = 0.0,
-                 world_skip: frozenset = frozenset()):
+                 world_skip: frozenset = frozenset(), memory: str = "real", sampling=None):
     """(ids, roles) of one warm-start sequence: with probability world_frac a world example
     (bench.world_examples: random valid and invalid calls with their real responses), else the reference
     chat, or with probability rehearsal_frac one of rehearse.warm_start_examples (an assessment or a
-    memory-prefixed turn) built from it. Responses of the tools in world_skip carry no loss."""
+    memory-prefixed turn, its memory lines from `memory`, "self" sampled with `sampling`) built from it.
+    Responses of the tools in world_skip carry no loss."""
     import rehearse
     import rollout
     seq, world_example = None, world_frac > 0 and rng.random() < world_frac
@@ -595,7 +600,8 @@ def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random,
     else:
         messages = bench.reference_trajectory(task)
         if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
-            examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng)
+            examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng, memory=memory,
+                                                    sampling=sampling)
             if examples:
                 seq = rng.choice(examples)
     ids, roles = seq if seq is not None else rollout.encode_conversation(engine, task, messages)
@@ -984,8 +990,11 @@ def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     for g in t.optimizer.param_groups:
         g["lr"] = cfg.sft_lr * min(1.0, (step + 1) / max(cfg.sft_warmup, 1))
     batch_tasks = pick.sample(t.tasks, min(cfg.sft_batch, len(t.tasks)))[d.rank::d.world_size]
-    seqs = [sft_sequence(t.engine, t.bench, task, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac, t.world_skip)
-            for task in batch_tasks]
+    # self memory generates with the model: unsharded once under FSDP, as for a rollout
+    with (gathered_for_generation(t.model) if cfg.sft_memory == "self" and d.world_size > 1
+          else torch.autocast("cpu", enabled=False)), autocast(d):
+        seqs = [sft_sequence(t.engine, t.bench, task, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac,
+                             t.world_skip, cfg.sft_memory, t.sampling) for task in batch_tasks]
     t.model.train()
     loss, n_tok = sft_loss(t.model, seqs, t.sft_roles, d, t.engine.tok.pad_token_id, cfg.chunk_size)
     norm, ok = optimizer_step(t.model, t.optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)

@@ -504,6 +504,12 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
 
 # ----------------------------------------------------------------------------- gold data and helpers
 
+def gold_calls(task: Task) -> list[dict]:
+    """The calls a correct solution makes ({"name", "arguments"}): what rehearsal diagnostics judge a proposed
+    call against (rehearse.rehearsal_diagnostics, through evaluate.gold_calls)."""
+    return [{"name": g["name"], "arguments": dict(g["arguments"])} for g in task.ground_truth["calls"]]
+
+
 def reference_trajectory(task: Task) -> list[dict]:
     """The full gold chat: opening messages, one assistant turn per call with the real tool response, answer."""
     env = make_env(task)

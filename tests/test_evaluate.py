@@ -71,6 +71,16 @@ def test_end_to_end_writes_jsonl_and_summary(micro_path, tmp_path):
                                                                   "family=buy", "family=half"}
     assert "fidelity" in run and run["cost"]["committed_turns"] >= 4
     assert "toyworld success" in proc.stdout and "B=1" in proc.stdout
+    # rehearsal diagnostics: per committed turn in the JSONL, summed in the summary and the table
+    recs = [json.loads(x) for x in lines]
+    diag = run["rehearsal_diagnostics"]
+    assert diag["turns"] == sum(r["rehearsal_diagnostics"]["counts"]["turns"] for r in recs) >= 4
+    assert all(len(r["rehearsal_diagnostics"]["turns"]) == r["rehearsal_diagnostics"]["counts"]["turns"]
+               <= len(r["rehearsals"]) for r in recs)
+    assert diag["assessed"] == (diag["verdict_unparsed"] + diag["assess_unmeasured"] + diag["assess_agree"]
+                                + diag["assess_disagree"])
+    assert diag["changed"] == diag["helped"] + diag["hurt"] + diag["neutral"] + diag["effect_unmeasured"]
+    assert "rehearsal assess_agree_rate" in proc.stdout and "rehearsal changed_rate" in proc.stdout
 
 
 def test_compare_runs_budgets_on_the_same_seeds(micro_path, tmp_path, capsys):
@@ -84,6 +94,8 @@ def test_compare_runs_budgets_on_the_same_seeds(micro_path, tmp_path, capsys):
     assert [(r["task_id"], r["seed"]) for r in recs[0]] == [(r["task_id"], r["seed"]) for r in recs[2]]
     assert len(recs[0]) == 4 and "pass^2" in summary["runs"]["B=0"]["overall"]
     assert recs[0][0]["stats"]["extra_tokens"] == 0 and recs[2][0]["stats"]["extra_tokens"] > 0
+    assert "rehearsal_diagnostics" not in recs[0][0] and "rehearsal_diagnostics" in recs[2][0]
+    assert "rehearsal_diagnostics" not in summary["runs"]["B=0"] and "rehearsal_diagnostics" in summary["runs"]["B=2"]
     out = capsys.readouterr().out
     assert "B=0" in out and "B=2" in out
 

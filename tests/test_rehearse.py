@@ -1,6 +1,7 @@
 """Test-time private rehearsal: budget 0 is plain acting, rehearsals stay private, budgets hold, the KV cache
 is forked exactly (branches are child rows of the committed row), and the world-model fidelity comparison."""
 import json
+import re
 
 import pytest
 import torch
@@ -257,3 +258,69 @@ def test_perturbed_arguments_differ_and_assessments_follow_the_rule():
     assert rehearse.assessment_for(True, '{"error": "x"}') == rehearse.ASSESS_OK
     assert rehearse.assessment_for(False, '{"error": "x"}') == rehearse.ASSESS_ERROR
     assert rehearse.assessment_for(False, '{"balance": 3}') == rehearse.ASSESS_WRONG
+
+
+MEMORY_LINE = re.compile(r"\[(\d)\] (\w+)\((\{.*?\})\) -> predicted (.*)\n    assessment: (.*)\n")
+
+
+def memory_lines(tok, example):
+    """(arguments, predicted, assessment) of each line of a memory example's memory block."""
+    text = tok.decode(example[0], skip_special_tokens=False)
+    return [(json.loads(m[2]), m[3], m[4]) for m in MEMORY_LINE.findall(text)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_self_memory_holds_the_models_own_predictions_judged_by_the_rule(eng, micro64, seed):
+    """memory="self": each memory line holds what the model wrote for the proposal (forced here per stream),
+    judged by the rule on that prediction; the assessment example and the committed reference turn are the
+    real mode's."""
+    import random
+
+    from bench import toyworld
+    _, tok = micro64
+    task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
+    messages = toyworld.reference_trajectory(task)
+    ref_args = toyworld.gold_calls(task)[0]["arguments"]
+    forced = ['{"error": "unknown account: zzz"}', '{"balance": 777}', '{"balance": 5}', '{"error": "nope"}']
+    steer = Script(tok, {}, {k: [[text + "\n</tool_response>"]] for k, text in enumerate(forced)})
+    real = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,))
+    own = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,),
+                                       memory="self", sampling=SamplingConfig(max_world_tokens=24), steer=steer)
+    assert own[0] == real[0]                              # the assessment example is untouched
+    real_lines, own_lines = memory_lines(tok, real[1]), memory_lines(tok, own[1])
+    assert len(own_lines) == len(real_lines) == 4
+    n_ref = len(_spans(*real[1], Role.ACT)[-1])
+    assert own[1][0][-n_ref:] == real[1][0][-n_ref:] and own[1][1][-n_ref:] == real[1][1][-n_ref:]
+    for (args, predicted, assessment), (real_args, real_predicted, _), want in zip(own_lines, real_lines, forced):
+        assert args == real_args and predicted == want                    # the same proposals, own predictions
+        env = toyworld.make_env(task)
+        assert real_predicted == env.step("get_balance", args) != predicted
+        rule = rehearse.assessment_for(args == ref_args, predicted)
+        assert assessment == rule
+        if args != ref_args:   # a wrong call: what the prediction shows decides between "fails" and "wrong"
+            assert assessment == (rehearse.ASSESS_ERROR if "error" in want else rehearse.ASSESS_WRONG)
+    with pytest.raises(ValueError, match="real, self"):
+        rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(0), memory="guess")
+
+
+def test_self_memory_predicts_what_test_time_rehearsal_writes(eng, micro64):
+    """Unscripted and greedy, a self-memory line holds exactly the response the policy rehearses for the same
+    proposal at test time (act): the same context, the same WORLD segment rules."""
+    import random
+
+    from bench import toyworld
+    _, tok = micro64
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, max_world_tokens=12, seed=0)
+    for seed in (0, 3):
+        task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
+        messages = toyworld.reference_trajectory(task)
+        assess_ex, memory_ex = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env,
+                                                            random.Random(seed), budgets=(1,), memory="self",
+                                                            sampling=cfg)
+        proposal = _spans(*assess_ex, Role.ACT)[0]
+        script = Script(tok, {0: [["done"]], 1: [[proposal[:-1]], ["fine"]]})   # WORLD left to the model
+        ep = act(eng, task, cfg, toyworld.make_env(task), RehearsalConfig(budget=1, mode="sequential"),
+                 steer=script)
+        rehearsed = ep.rehearsals[0][0]["items"][0]["predicted"]
+        (_, predicted, _), = memory_lines(tok, memory_ex)
+        assert predicted == " ".join(rehearsed.split()) and rehearsed

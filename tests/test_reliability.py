@@ -646,6 +646,7 @@ TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfi
     (["--overwrite=yes"], "--overwrite"), (["--scale-std=no"], "--scale-std"), (["--per-role-adv", "1"], "unrecognized"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints"), (["--beta2", "1"], "--beta2"), (["--beta2", "nan"], "--beta2"), (["--sft-warmup", "-1"], "--sft-warmup"),
     (["--sft-rehearsal-frac", "1.5"], "--sft-rehearsal-frac"), (["--sft-rehearsal-frac", "nan"], "--sft-rehearsal-frac"),
+    (["--sft-memory", "guess"], "--sft-memory"),
     (["--reward", "judge"], "--reward must be"), (["--reward", "checklist", "--bench", "finmcp"], "no rule-based checklist"),
     (["--sft-world-frac", "1.5"], "--sft-world-frac"), (["--sft-world-frac", "nan"], "--sft-world-frac"),
     (["--sft-world-frac", "0.5", "--bench", "tau2"], "world examples"), (["--sft-world-skip", "get_price,"], "--sft-world-skip"),

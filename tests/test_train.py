@@ -335,3 +335,25 @@ def test_role_weights_and_subconfigs_follow_the_config():
     assert (loss_cfg.clip_high, loss_cfg.kl_coef, loss_cfg.role_weights) == (0.28, 0.01, {"act": 2.0})
     sampling = train.subconfig(rollout.SamplingConfig, cfg, max_turns=9)
     assert (sampling.temperature, sampling.max_turns, sampling.seed) == (0.7, 9, cfg.seed)
+
+
+def test_sft_memory_self_builds_memory_lines_with_the_model(micro_path, tmp_path, monkeypatch):
+    """--sft-memory self: the warm start's memory examples are built from the model's own predictions
+    (rehearse.predict_responses, sampled with the rollout config); real (default) never generates."""
+    import rehearse
+    calls = []
+    real_predict = rehearse.predict_responses
+
+    def counting(eng, task, contexts, cfg, steer=None):
+        calls.append((len(contexts), cfg.max_world_tokens, cfg.temperature))
+        return real_predict(eng, task, contexts, cfg, steer)
+    monkeypatch.setattr(rehearse, "predict_responses", counting)
+    base = ["--model", str(micro_path), "--steps", "0", "--sft-steps", "2", "--sft-batch", "4",
+            "--sft-rehearsal-frac", "1", "--max-world-tokens", "6", "--save-every", "10"]
+    res = run_train(base + ["--out", str(tmp_path / "real")])
+    assert res.returncode == 0, res.stderr
+    assert calls == [] and json.loads((tmp_path / "real" / "config.json").read_text())["sft_memory"] == "real"
+    res = run_train(base + ["--out", str(tmp_path / "self"), "--sft-memory", "self"])
+    assert res.returncode == 0, res.stderr
+    assert calls and all(1 <= n <= 4 and w == 6 and temp == 1.0 for n, w, temp in calls)
+    assert json.loads((tmp_path / "self" / "config.json").read_text())["sft_memory"] == "self"
