@@ -2,6 +2,7 @@
 
     python bench/warm_start_world.py --sft-steps 300                       # the three arms below, seed 0
     python bench/warm_start_world.py --sft-steps 300 --arms plain,world
+    python bench/warm_start_world.py --curve runs/ws-skip-price     # every checkpoint of one warm start
 
 Each arm is one `train.py --steps 0` warm start (same seed, so the same task draws), then `evaluate.py`
 on held-out test tasks with the fidelity probe on (every real call is also rehearsed in a discarded fork and
@@ -12,7 +13,8 @@ Then two fixed-call probes on the same held-out tasks, independent of how the po
 the reference chat's gold calls, and random valid and invalid calls (toyworld.world_examples), each response
 written greedily given the real responses before it. Writes one JSON per arm to --results: commands, wall
 seconds, success, fidelity per tool on the policy's own calls and on the probes. `--probe-only` adds the
-probes to existing results.
+probes to existing results. `--curve RUN` measures the same for every checkpoint of an existing warm start
+(fidelity against warm-start steps), one JSON per checkpoint, skipping those already written.
 """
 from __future__ import annotations
 
@@ -84,6 +86,35 @@ def probe_fidelity(checkpoint: str, tasks, kind: str, seed: int) -> dict:
             "by_real_outcome": reward.fidelity_by_tool(reward.fidelity_sums(by_outcome))}
 
 
+def measure(ckpt: Path, out: Path, probe_tasks, args) -> dict:
+    """Held-out success and fidelity of one checkpoint: evaluate.py with the probe, then the fixed-call probes."""
+    eval_cmd = [sys.executable, "evaluate.py", "--model", str(ckpt), "--limit", str(args.limit), "--fidelity",
+                "--seed", str(args.seed), "--out", str(out)]
+    t_eval = run(eval_cmd)
+    summary = json.loads((out / "summary.json").read_text())
+    (trajs,) = sorted(out.glob("trajectories_B0_*.jsonl"))
+    b0 = summary["runs"]["B=0"]
+    return {"eval_command": " ".join(eval_cmd[1:]), "eval_seconds": round(t_eval, 1),
+            "host": f"{platform.machine()}, 2 cores of a shared host, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+            "success_B0": b0["overall"]["success"], "fidelity": b0.get("fidelity"), "fidelity_by_tool": per_tool(trajs),
+            "probe_fidelity": {k: probe_fidelity(str(ckpt), probe_tasks, k, args.seed) for k in ("gold", "random")}}
+
+
+def curve(run_dir: Path, probe_tasks, args):
+    """Every checkpoint of one warm start, measured once: fidelity against warm-start steps."""
+    config = json.loads((run_dir / "config.json").read_text())
+    for ckpt in sorted((run_dir / "ckpt").glob("step_*")):
+        path = Path(args.results) / f"{run_dir.name}-{ckpt.name}.json"
+        if path.exists() or not (ckpt / "state.json").exists():
+            continue
+        result = {"run": str(run_dir), "checkpoint": str(ckpt), "sft_steps": int(ckpt.name.split("_")[1]),
+                  "sft_world_frac": config.get("sft_world_frac"), "sft_world_skip": config.get("sft_world_skip"),
+                  "seed": args.seed, "tasks": args.limit, **measure(ckpt, run_dir / "eval" / ckpt.name, probe_tasks, args)}
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        tools = {t: f"{v['exact']:.2f}/{v['calls']}" for t, v in result["probe_fidelity"]["random"]["by_tool"].items()}
+        print(f"{ckpt.name}: success {result['success_B0']:.3f}, random-call exact fidelity {tools}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft-steps", type=int, default=300)
@@ -97,7 +128,12 @@ def main(argv=None):
                     help="continue each arm's run of this many warm-start steps (copied) up to --sft-steps")
     ap.add_argument("--probe-only", action="store_true",
                     help="skip training and evaluation; add the fixed-call probes to the arms' existing results")
+    ap.add_argument("--curve", default="", help="measure every checkpoint of this warm-start run folder instead")
     args = ap.parse_args(argv)
+    if args.curve:
+        from bench import toyworld
+        Path(args.results).mkdir(parents=True, exist_ok=True)
+        return curve(Path(args.curve), toyworld.load_tasks("test", limit=args.limit), args)
     arms = [a for a in args.arms.split(",") if a]
     bad = [a for a in arms if a not in ARMS]
     if bad:
