@@ -130,12 +130,10 @@ def _preallocated_layer_class():
             self._v[dst, :, :self.length] = self._v[src, :, :self.length]
 
         def compact(self, slots, cols):
-            """Keep rows `slots` (in that order) and, in each, the columns cols[i] (a [rows, width] index)."""
-            k = self._k[slots[:, None], :, cols].transpose(1, 2)    # [rows, heads, width, dim]
+            """Keep rows `slots` (in that order) and, in each, the columns cols[i] (a [rows, width] index),
+            in the same buffers (their room is kept for the columns to come)."""
+            k = self._k[slots[:, None], :, cols].transpose(1, 2)    # [rows, heads, width, dim], a copy
             v = self._v[slots[:, None], :, cols].transpose(1, 2)
-            self._k = self._v = None
-            self.rows = self.length = 0
-            self.reserve(k.shape[0], 2 * k.shape[-2] + 64, k, v)      # room to grow again
             self._k[:k.shape[0], :, :k.shape[-2]] = k
             self._v[:k.shape[0], :, :k.shape[-2]] = v
             self.rows, self.length = k.shape[0], k.shape[-2]
@@ -418,11 +416,12 @@ class KVBatch:
     padded) and each row's latest next-token logits.
 
     Each row holds one cache row (`Row.slot`) for as long as it runs: a fork copies its parent's cache row
-    into a free one, a row that ends frees its own (nothing else moves), joining rows are prefilled apart
-    (one prefill per distinct prompt) and written into free rows. All rows share the cache's columns: a
+    into a free one (the last child takes the parent's own while the parent waits, see `lend`), a row that
+    ends frees its own (nothing else moves), joining rows are prefilled apart (one prefill per distinct
+    prompt) and written into free rows. All rows share the cache's columns: a
     forward appends its chunk's columns to every row (masked where a row fed nothing). So a row's long feed
     (an observation, a memory block, re-fed committed tokens) is fed apart, over those rows only, and every
-    row's last token in one [rows, 1] forward; when holes or free rows take over, `compact` packs the cache
+    row's last token in one [rows, 1] forward; when holes or free rows take over, the cache is packed
     (each row's tokens right-aligned, free rows dropped).
 
     With a world model (another model writing the WORLD segments: a frozen simulator or a separately trained
@@ -435,6 +434,7 @@ class KVBatch:
         self.rows: list[Row] = []
         self.slots = 0                 # cache rows in use, free ones included: every forward covers them
         self.free: list[int] = []      # cache rows no row holds (fed pads until reused or compacted away)
+        self.lent: dict[int, tuple] = {}   # id(child) -> (parent, its cached count, its logits) (see lend)
         self.lanes = [Lane(model, use_cache)] + ([Lane(world_model, use_cache)] if world_model is not None else [])
         self.forward_calls = self.tokens_fed = self.compactions = 0
 
@@ -477,13 +477,37 @@ class KVBatch:
                 self._logits_room(lane, lane.logits.shape[-1], lane.logits)
                 lane.logits[s] = lane.logits[parent.slot]
 
+    def lend(self, parent: Row, child: Row):
+        """The child takes the parent's cache row while the parent waits for its children: nothing is copied,
+        and no row is fed pads for the idle parent. The row goes back to the parent when the child leaves,
+        cut back to the parent's tokens (the child only appended to them)."""
+        saved = [None if lane.logits is None else lane.logits[parent.slot].clone() for lane in self.lanes]
+        self.lent[id(child)] = (parent, parent.n_cached, saved)
+        child.slot, parent.slot = parent.slot, -1
+
     def drop(self, rows: list[Row]):
-        """Rows that ended leave: their cache rows are freed (trailing free rows are cut off)."""
+        """Rows that ended leave: their cache rows are freed (trailing free rows are cut off), or given back
+        to the parent that lent them."""
         gone = {id(r) for r in rows}
         self.rows = [r for r in self.rows if id(r) not in gone]
-        self.free += [r.slot for r in rows]
+        # lent rows go back first (a parent that ends in the same step as its last child then frees the
+        # row it got back; a row lent on again comes back to its lender before going further back)
+        lent = [r for r in rows if id(r) in self.lent]
+        while lent:
+            r = next(r for r in lent if r.slot >= 0)
+            lent.remove(r)
+            parent, n_cached, saved = self.lent.pop(id(r))
+            parent.slot, r.slot = r.slot, -1
+            for lane, logits in zip(self.lanes, saved):
+                if self.use_cache:   # keep the first n_cached tokens of the row: the parent's
+                    mask = lane.mask[parent.slot]
+                    lane.mask[parent.slot] = mask & (mask.cumsum(0) <= n_cached)
+                if logits is not None:
+                    lane.logits[parent.slot] = logits
         for r in rows:
-            r.slot = -1
+            if r.slot >= 0:
+                self.free.append(r.slot)
+                r.slot = -1
         free = set(self.free)
         while self.slots and self.slots - 1 in free:
             free.discard(self.slots - 1)
@@ -498,13 +522,14 @@ class KVBatch:
     def _compact_if_sparse(self):
         """Pack the cache once holes or free rows are more than about half of it: every row's tokens
         right-aligned to the longest row's count, the rows renumbered in batch order, free rows dropped."""
-        if not self.rows or not self.lanes[0].cache.layers:
+        holders = [r for r in self.rows if r.slot >= 0]     # not the parents whose row is lent
+        if not holders or not self.lanes[0].cache.layers:
             return
-        width, longest = self.lanes[0].mask.shape[1], max(r.n_cached for r in self.rows)
-        if width <= 2 * longest + 32 and len(self.free) * 2 <= self.slots:
+        width, longest = self.lanes[0].mask.shape[1], max(r.n_cached for r in holders)
+        if width <= longest + longest // 2 + 32 and len(self.free) * 2 <= self.slots:
             return
         self.compactions += 1
-        slots = torch.tensor([r.slot for r in self.rows], dtype=torch.long, device=self.device)
+        slots = torch.tensor([r.slot for r in holders], dtype=torch.long, device=self.device)
         for lane in self.lanes:
             mask = lane.mask[slots.to(lane.device)]
             # a stable sort of each mask row puts its holes first and its tokens after, in order
@@ -515,9 +540,9 @@ class KVBatch:
             lane.mask = keep
             if lane.logits is not None:
                 lane.logits = lane.logits[slots.to(lane.device)]
-        for j, r in enumerate(self.rows):
+        for j, r in enumerate(holders):
             r.slot = j
-        self.slots, self.free = len(self.rows), []
+        self.slots, self.free = len(holders), []
 
     # -- model calls ---------------------------------------------------------------------------------------
 
@@ -830,8 +855,8 @@ class Engine:
                 logits = batch.logits_for(ready)
                 steered = None if steer is None else steer(
                     [r.stream for r in ready], [(r.gen.role, r.ids[r.gen_start:]) for r in ready], logits.clone())
-                for k, r in enumerate(ready):
-                    tok_id, lp = sample_row(logits[k], cfg, r.rng, None if steered is None else steered[k])
+                tokens, logps = sample_rows(logits, cfg, [r.rng for r in ready], steered)
+                for r, tok_id, lp in zip(ready, tokens, logps):
                     r.counts[f"{r.bucket}_sampled"] = r.counts.get(f"{r.bucket}_sampled", 0) + 1
                     r.append([tok_id], r.gen.role, [lp])
                     self._after_token(r, tok_id, cfg, rehearse, max_len)
@@ -916,8 +941,11 @@ class Engine:
             r.waiting = len(children)
             for child in children:
                 child.parent = r
-                batch.fork(r, child)
                 rows.append(child)
+                if child is not children[-1]:
+                    batch.fork(r, child)       # a copy of the parent's cache row
+            if children:
+                batch.lend(r, children[-1])    # the parent's own, while it waits
             if not children:
                 self._resume(r)
         if len(rows) != len(batch.rows):
@@ -1013,23 +1041,28 @@ def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
     return ids, chunk_mask, pos
 
 
-def sample_row(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator, steered: torch.Tensor | None = None):
-    """Sample one token of one row with the row's own generator; return (token, log-prob under the
-    temperature-scaled full distribution). The recorded log-prob ignores top-p truncation and steering on
-    purpose: it is what the trainer recomputes."""
+def sample_rows(logits: torch.Tensor, cfg: SamplingConfig, gens: list[torch.Generator],
+                steered: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """Sample one token per row ([rows, vocab] logits), row k with its own generator gens[k]; return the tokens
+    and their log-probs under the temperature-scaled full distribution. The recorded log-prob ignores top-p
+    truncation and steering on purpose: it is what the trainer recomputes. The softmaxes and the top-p cut
+    run over all rows at once (each row's numbers are those of the row alone); only the draws are per row."""
     choose = logits if steered is None else steered
     if cfg.greedy or cfg.temperature <= 0:
-        token = int(choose.argmax())
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
-    probs = torch.softmax(choose / cfg.temperature, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > cfg.top_p   # keep the smallest head with mass >= top_p
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    token = int(torch.multinomial(probs.cpu(), 1, generator=gen)[0])
-    return token, float(logp[token])
+        tokens = choose.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
+        probs = torch.softmax(choose / cfg.temperature, dim=-1)
+        if cfg.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_p.cumsum(-1) - sorted_p > cfg.top_p   # keep the smallest head with mass >= top_p
+            sorted_p = sorted_p.masked_fill(outside, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs.cpu()
+        tokens = torch.tensor([int(torch.multinomial(probs[k], 1, generator=g)[0]) for k, g in enumerate(gens)],
+                              device=logits.device)
+    return tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist()
 
 
 def describe_row(rollout: Rollout, tok, row: int) -> str:
