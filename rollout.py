@@ -76,7 +76,8 @@ def _preallocated_layer_class():
             have_b, have_l = (0, 0) if self._k is None else (self._k.shape[0], self._k.shape[-2])
             if rows <= have_b and length <= have_l:
                 return
-            cap_b = have_b if rows <= have_b else max(rows, 2 * have_b)
+            # a quarter of spare rows, not more: fresh memory costs a page fault per 4 KiB
+            cap_b = rows + rows // 4
             cap_l = have_l if length <= have_l else max(length, 64, 2 * have_l)
             k = like_k.new_zeros((cap_b, *like_k.shape[1:-2], cap_l, like_k.shape[-1]))
             v = like_v.new_zeros((cap_b, *like_v.shape[1:-2], cap_l, like_v.shape[-1]))
@@ -544,6 +545,11 @@ class KVBatch:
             r.slot = j
         self.slots, self.free = len(holders), []
 
+    @property
+    def held(self) -> int:
+        """Cache rows in use: what a forward computes over and memory holds (a waiting parent holds none)."""
+        return self.slots - len(self.free)
+
     # -- model calls ---------------------------------------------------------------------------------------
 
     def logits_for(self, rows: list[Row]) -> torch.Tensor:
@@ -629,8 +635,8 @@ class KVBatch:
             r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(r.feed)
             self.tokens_fed += len(r.feed)
         longer = [r for r in fed if len(r.feed) > 1]
-        if longer:
-            self._feed_prefixes(longer)
+        for group in length_groups([len(r.feed) - 1 for r in longer]):
+            self._feed_prefixes([longer[k] for k in group])
         ids = torch.full((self.slots, 1), self.pad_id, dtype=torch.long)
         chunk_mask = torch.zeros((self.slots, 1), dtype=torch.bool)
         pos = torch.zeros((self.slots, 1), dtype=torch.long)
@@ -836,12 +842,13 @@ class Engine:
 
     def decode(self, batch: KVBatch, cfg: SamplingConfig, rehearse: ResponseSwitch | None = None,
                steer: Steer | None = None, admit: Callable[[int], list[Row]] | None = None, progress=None):
-        """Generate until every row has ended. admit(n_rows) -> new rows joins rows in as others leave."""
+        """Generate until every row has ended. admit(n) -> new rows joins rows in as others leave; n is the
+        number of cache rows in use (KVBatch.held)."""
         max_len = self._max_len = self.max_len(cfg)
         while True:
             t_step = time.perf_counter()
             if admit is not None:
-                joining = admit(len(batch.rows))
+                joining = admit(batch.held)
                 for r in joining:
                     self._check_length(r, max_len, joining=True)
                 batch.admit([r for r in joining if not r.done])
@@ -1025,6 +1032,24 @@ class Engine:
                        stats=stats)
 
 
+def length_groups(lengths: list[int], overhead: int = 32) -> list[list[int]]:
+    """Split ragged feeds into forwards so that padding costs little: their indices, longest feed first, cut
+    into runs that minimise the positions fed (a run's rows x its longest feed) plus `overhead` positions per
+    forward (a forward's fixed cost)."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        for j in range(i):
+            cost = best[j] + (i - j) * lengths[order[j]] + overhead
+            if best[i] is None or cost < best[i]:
+                best[i], cut[i] = cost, j
+    groups, i = [], len(order)
+    while i:
+        groups.append(order[cut[i]:i])
+        i = cut[i]
+    return groups[::-1]
+
+
 def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
     """Left-pad each row's new tokens into one [B, W] chunk (so the last column is real for every row), with
     its attention-mask columns and explicit positions continuing each row's own count of cached tokens."""
@@ -1055,14 +1080,25 @@ def sample_rows(logits: torch.Tensor, cfg: SamplingConfig, gens: list[torch.Gene
         logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
         probs = torch.softmax(choose / cfg.temperature, dim=-1)
         if cfg.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            outside = sorted_p.cumsum(-1) - sorted_p > cfg.top_p   # keep the smallest head with mass >= top_p
-            sorted_p = sorted_p.masked_fill(outside, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+            probs = top_p_cut(probs, cfg.top_p)
         probs = probs.cpu()
         tokens = torch.tensor([int(torch.multinomial(probs[k], 1, generator=g)[0]) for k, g in enumerate(gens)],
                               device=logits.device)
     return tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist()
+
+
+def top_p_cut(probs: torch.Tensor, top_p: float, head: int = 64) -> torch.Tensor:
+    """Zero each row's tail beyond the smallest head of mass >= top_p (rows sorted by probability). The head
+    is looked for among the `head` largest first (sorting many whole rows costs more than sampling them); a
+    row whose head is longer is sorted whole, alone (so a row's result never depends on the other rows)."""
+    def cut(vals, order, like):
+        outside = vals.cumsum(-1) - vals > top_p    # keep the smallest head with mass >= top_p
+        return torch.zeros_like(like).scatter(-1, order, vals.masked_fill(outside, 0.0)), outside
+    out, outside = cut(*probs.topk(min(head, probs.shape[-1]), dim=-1), probs)   # sorted, largest first
+    if outside.shape[-1] < probs.shape[-1]:
+        for k in (~outside[:, -1]).nonzero().flatten().tolist():
+            out[k] = cut(*probs[k].sort(descending=True), probs[k])[0]
+    return out
 
 
 def describe_row(rollout: Rollout, tok, row: int) -> str:
