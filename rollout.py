@@ -42,6 +42,11 @@ def new_kv_cache():
     return Cache(layer_class_to_replicate=_preallocated_layer_class())
 
 
+def kv_buffer(like: torch.Tensor, shape) -> torch.Tensor:
+    """An unset buffer for a KV layer (a test fills it with NaN to check no unset value is ever read)."""
+    return like.new_empty(shape)
+
+
 @functools.cache   # the class is defined on first use: transformers is imported lazily
 def _preallocated_layer_class():
     from transformers.cache_utils import DynamicLayer
@@ -54,8 +59,10 @@ def _preallocated_layer_class():
         so appending tokens or rows is amortised O(new data); `keys`/`values` are views of the filled part
         (`rows` x `length`). Besides transformers' own operations (batch selection, forking, cropping) it
         writes a few rows only (`update_rows`, `put`, `copy_row`) and compacts (`compact`), for KVBatch.
-        Buffers start zeroed: columns a row never wrote are masked, and must hold finite numbers (a masked
-        NaN still poisons attention: 0 * NaN)."""
+        Buffers are not zeroed when allocated (fresh memory costs a page fault per 4 KiB touched, so room
+        never used is never touched): every column below `length` of every row below `rows` is written
+        before it is read, holes with zeros, as masked columns must hold finite numbers (a masked NaN still
+        poisons attention: 0 * NaN)."""
 
         def lazy_initialization(self, key_states, value_states):
             self.device = key_states.device
@@ -70,7 +77,7 @@ def _preallocated_layer_class():
             self.values = self._v[:self.rows, :, :self.length]
 
         def reserve(self, rows, length, like_k, like_v):
-            """Room for `rows` rows and `length` columns; what is written stays, new room is zero."""
+            """Room for `rows` rows and `length` columns; what is written stays, new room is unset."""
             if not self.is_initialized:
                 self.lazy_initialization(like_k, like_v)
             have_b, have_l = (0, 0) if self._k is None else (self._k.shape[0], self._k.shape[-2])
@@ -79,8 +86,8 @@ def _preallocated_layer_class():
             # a quarter of spare rows, not more: fresh memory costs a page fault per 4 KiB
             cap_b = rows + rows // 4
             cap_l = have_l if length <= have_l else max(length, 64, 2 * have_l)
-            k = like_k.new_zeros((cap_b, *like_k.shape[1:-2], cap_l, like_k.shape[-1]))
-            v = like_v.new_zeros((cap_b, *like_v.shape[1:-2], cap_l, like_v.shape[-1]))
+            k = kv_buffer(like_k, (cap_b, *like_k.shape[1:-2], cap_l, like_k.shape[-1]))
+            v = kv_buffer(like_v, (cap_b, *like_v.shape[1:-2], cap_l, like_v.shape[-1]))
             if self._k is not None and self.rows and self.length:
                 k[:self.rows, :, :self.length] = self._k[:self.rows, :, :self.length]
                 v[:self.rows, :, :self.length] = self._v[:self.rows, :, :self.length]
@@ -100,9 +107,11 @@ def _preallocated_layer_class():
 
         def update_rows(self, slots, key_states, value_states):
             """A forward over rows `slots` only: their new columns are written (the other rows get masked
-            columns) and their whole cache is returned (a copy of those rows)."""
+            columns, zero) and their whole cache is returned (a copy of those rows)."""
             n = key_states.shape[-2]
             self.reserve(self.rows, self.length + n, key_states, value_states)
+            self._k[:self.rows, :, self.length:self.length + n] = 0
+            self._v[:self.rows, :, self.length:self.length + n] = 0
             self._k[slots, :, self.length:self.length + n] = key_states
             self._v[slots, :, self.length:self.length + n] = value_states
             self.length += n
@@ -110,13 +119,16 @@ def _preallocated_layer_class():
             return self._k[slots, :, :self.length], self._v[slots, :, :self.length]
 
         def put(self, rows, slots, start, keys, values):
-            """Write other caches' rows (e.g. a prefill's) into rows `slots` at columns start.. of ours, which
-            then has `rows` rows."""
-            self.reserve(rows, start + keys.shape[-2], keys, values)
-            self.rows = rows
-            self._k[slots, :, start:start + keys.shape[-2]] = keys
-            self._v[slots, :, start:start + keys.shape[-2]] = values
-            self.length = max(self.length, start + keys.shape[-2])
+            """Write other caches' rows (e.g. a prefill's) into rows `slots`, ending at our last column (which
+            moves right if they are longer: the other rows get zero holes); ours then has `rows` rows."""
+            end = start + keys.shape[-2]
+            self.reserve(rows, end, keys, values)
+            assert end >= self.length, "put rows end at the cache's last column"
+            for buf, new in ((self._k, keys), (self._v, values)):
+                buf[:rows, :, self.length:end] = 0
+                buf[slots, :, :start] = 0
+                buf[slots, :, start:end] = new
+            self.rows, self.length = rows, end
             self._views()
 
         def resize_rows(self, rows):

@@ -277,14 +277,17 @@ def test_a_world_model_writes_the_world_segments_from_its_own_cache(micro64):
             assert torch.allclose(out.logprobs[b, pos + 1].double(), want, atol=1e-6), (b, role)
 
 
-def test_kv_batch_cache_rows_stay_exact_through_every_operation(micro64):
+@pytest.mark.parametrize("unset", ["empty", "nan"])
+def test_kv_batch_cache_rows_stay_exact_through_every_operation(micro64, monkeypatch, unset):
     """Each row holds one KV-cache row: joining rows are written into free rows (a prompt longer than the
     cache widens it), long feeds are fed apart from the one-token rows in forwards grouped by length (over
     those rows only, or over every row when they are many), forks copy a row, a parent lends its row to a
     child and gets it back cut to its own tokens, rows leave, and the cache is packed once holes pile up.
     After each step every row's next-token logits equal a full forward of its tokens, and its mask holds
-    exactly its cached tokens."""
+    exactly its cached tokens. With buffers' unset room full of NaN, no unset value is ever read."""
     from rollout import KVBatch, Row
+    if unset == "nan":
+        monkeypatch.setattr(rollout, "kv_buffer", lambda like, shape: like.new_full(shape, float("nan")))
     model, tok = micro64
     gen = torch.Generator().manual_seed(0)
     task = tasks(1)[0]
