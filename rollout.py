@@ -9,7 +9,8 @@ One sequence per trajectory holds every token with a role id:
 
 After the policy emits a tool call, the engine appends the template's tool-response opening and then either
 lets the same policy write the response (rehearsal, WORLD) or executes the call for real (OBS). The prompt is
-prefilled once per task and its cache is forked for the G samples of the group; after that each forward pass
+prefilled once per task and its cache is forked for the G samples of the group (a long head the tasks' prompts
+share, such as a system prompt with its tools, is prefilled once for all); after that each forward pass
 feeds only the tokens each row has not cached yet (its last sampled token plus any appended scaffolding or
 observation), with ragged per-row lengths handled by an attention mask with holes and explicit positions.
 Rows leave the batch as they finish. No turn re-encodes the context.
@@ -582,7 +583,9 @@ class KVBatch:
 
     def admit(self, rows: list[Row]):
         """Add rows whose tokens are not cached yet; rows with the same prompt share one prefill, written
-        into the rows' cache rows right-aligned at the current columns (widened if a prompt is longer)."""
+        into the rows' cache rows right-aligned at the current columns (widened if a prompt is longer).
+        When the distinct prompts share a head (a system prompt with the tools), only the head is prefilled,
+        once; the rest of each prompt is left uncached, for the next feed."""
         if not rows:
             return
         for r in rows:
@@ -592,10 +595,18 @@ class KVBatch:
             return
         prompts: dict[tuple, int] = {}
         for r in rows:
-            if tuple(r.ids) not in prompts:
-                prompts[tuple(r.ids)] = len(prompts)
-                r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(r.ids)
-        ids, mask, pos = ragged_chunk([list(p) for p in prompts], [0] * len(prompts), self.pad_id)
+            prompts.setdefault(tuple(r.ids), len(prompts))
+        heads = [list(p) for p in prompts]
+        shared = common_prefix_length(heads)
+        if len(heads) > 1 and shared >= 64:    # worth a forward of its own (and the suffixes' own)
+            heads, prompts = [heads[0][:shared]], {p: 0 for p in prompts}
+        counted = set()
+        for r in rows:
+            h = prompts[tuple(r.ids)]
+            if h not in counted:
+                counted.add(h)
+                r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(heads[h])
+        ids, mask, pos = ragged_chunk(heads, [0] * len(heads), self.pad_id)
         pick = torch.tensor([prompts[tuple(r.ids)] for r in rows], device=self.device)
         slots = [r.slot for r in rows]
         width = ids.shape[1]
@@ -617,7 +628,7 @@ class KVBatch:
             self._set_logits(lane, slots, logits[lane_pick])
         self.tokens_fed += int(mask.sum())
         for r in rows:
-            r.n_cached = len(r.ids)
+            r.n_cached = len(heads[prompts[tuple(r.ids)]])
 
     def feed(self):
         """Feed every row's uncached tokens: all but the last token of the longer feeds first, over those
@@ -1042,6 +1053,17 @@ class Engine:
                        spans=[r.spans for r in rows], trajectories=[r.traj for r in rows],
                        end_reasons=[r.traj.end_reason for r in rows], rehearsal_defects=[r.defects for r in rows],
                        stats=stats)
+
+
+def common_prefix_length(seqs: list[list[int]]) -> int:
+    """How many leading tokens all `seqs` share."""
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == seqs[0][k]:
+            k += 1
+        n = k
+    return n
 
 
 def length_groups(lengths: list[int], overhead: int = 32) -> list[list[int]]:

@@ -332,6 +332,14 @@ def test_kv_batch_cache_rows_stay_exact_through_every_operation(micro64, monkeyp
     batch.admit([Row(task, ids(300))])                  # longer than the cache: widened
     batch.feed()
     check()
+    head = ids(70)                                      # prompts sharing a head: the head prefilled once
+    fed = batch.tokens_fed
+    joining = [Row(task, head + ids(6)), Row(task, head + ids(19)), Row(task, list(head))]
+    batch.admit(joining)
+    assert batch.tokens_fed - fed == 70 and [r.n_cached for r in joining] == [70, 70, 70]
+    batch.feed()
+    assert batch.tokens_fed - fed == 70 + 6 + 19
+    check()
     for step in range(40):                              # many long feeds to a few rows: holes, then packing
         live = [r for r in batch.rows if r.slot >= 0]
         for k, r in enumerate(live):
