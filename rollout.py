@@ -606,10 +606,18 @@ class KVBatch:
             if h not in counted:
                 counted.add(h)
                 r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(heads[h])
+        for group in length_groups([len(h) for h in heads]):     # prompts of like lengths together
+            at = {h: k for k, h in enumerate(group)}
+            joining = [r for r in rows if prompts[tuple(r.ids)] in at]
+            self._prefill([heads[h] for h in group], joining, [at[prompts[tuple(r.ids)]] for r in joining])
+        for r in rows:
+            r.n_cached = len(heads[prompts[tuple(r.ids)]])
+
+    def _prefill(self, heads: list[list[int]], rows: list[Row], pick: list[int]):
+        """Prefill `heads` apart and write head pick[i] into rows[i]'s cache row, right-aligned at the
+        current columns (widened if a head is longer)."""
         ids, mask, pos = ragged_chunk(heads, [0] * len(heads), self.pad_id)
-        pick = torch.tensor([prompts[tuple(r.ids)] for r in rows], device=self.device)
-        slots = [r.slot for r in rows]
-        width = ids.shape[1]
+        slots, width = [r.slot for r in rows], ids.shape[1]
         for lane in self.lanes:
             cache = new_kv_cache()
             lane_mask = mask.to(lane.device).bool()
@@ -618,7 +626,7 @@ class KVBatch:
             if width > have:                   # the other rows get masked columns on the right
                 lane.mask = torch.cat([lane.mask, lane.mask.new_zeros((self.slots, width - have))], dim=1)
             start = max(have, width) - width
-            lane_pick, lane_slots = pick.to(lane.device), torch.tensor(slots, device=lane.device)
+            lane_pick, lane_slots = torch.tensor(pick, device=lane.device), torch.tensor(slots, device=lane.device)
             while len(lane.cache.layers) < len(cache.layers):
                 lane.cache.layers.append(_preallocated_layer_class()())
             for mine, theirs in zip(lane.cache.layers, cache.layers):
@@ -627,8 +635,6 @@ class KVBatch:
             lane.mask[lane_slots, start:] = lane_mask[lane_pick]
             self._set_logits(lane, slots, logits[lane_pick])
         self.tokens_fed += int(mask.sum())
-        for r in rows:
-            r.n_cached = len(heads[prompts[tuple(r.ids)]])
 
     def feed(self):
         """Feed every row's uncached tokens: all but the last token of the longer feeds first, over those
@@ -1066,7 +1072,7 @@ def common_prefix_length(seqs: list[list[int]]) -> int:
     return n
 
 
-def length_groups(lengths: list[int], overhead: int = 32) -> list[list[int]]:
+def length_groups(lengths: list[int], overhead: int = 16) -> list[list[int]]:
     """Split ragged feeds into forwards so that padding costs little: their indices, longest feed first, cut
     into runs that minimise the positions fed (a run's rows x its longest feed) plus `overhead` positions per
     forward (a forward's fixed cost)."""
