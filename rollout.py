@@ -431,12 +431,12 @@ class KVBatch:
 
     Each row holds one cache row (`Row.slot`) for as long as it runs: a fork copies its parent's cache row
     into a free one (the last child takes the parent's own while the parent waits, see `lend`), a row that
-    ends frees its own (nothing else moves), joining rows are prefilled apart (one prefill per distinct
-    prompt) and written into free rows. All rows share the cache's columns: a
-    forward appends its chunk's columns to every row (masked where a row fed nothing). So a row's long feed
-    (an observation, a memory block, re-fed committed tokens) is fed apart, over those rows only, and every
-    row's last token in one [rows, 1] forward; when holes or free rows take over, the cache is packed
-    (each row's tokens right-aligned, free rows dropped).
+    ends frees its own (nothing else moves), and joining rows are prefilled apart (one prefill per distinct
+    prompt, or per shared head) and written into free rows. All rows share the cache's columns: a forward
+    appends its chunk's columns to every row (masked where a row fed nothing). So the longer feeds (an
+    observation, a memory block, re-fed committed tokens) are fed apart, in forwards grouped by length over
+    those rows only, and every row's last token in one [rows, 1] forward; when holes or free rows take
+    over, the cache is packed (each row's tokens right-aligned, free rows dropped).
 
     With a world model (another model writing the WORLD segments: a frozen simulator or a separately trained
     world model), each model keeps its own cache of the same token sequence in a lane of its own: every
@@ -655,7 +655,8 @@ class KVBatch:
             last = torch.tensor([len(r.ids) - 1 for r in fed])
             for lane in self.lanes:
                 all_logits = lane.model(input_ids=ids.to(lane.device), attention_mask=mask.to(lane.device)).logits
-                self._set_logits(lane, [r.slot for r in fed], all_logits[torch.arange(len(fed)), last.to(lane.device)].float())
+                last_logits = all_logits[torch.arange(len(fed)), last.to(lane.device)].float()
+                self._set_logits(lane, [r.slot for r in fed], last_logits)
                 self.forward_calls += 1
             for r in fed:
                 self.tokens_fed += len(r.ids)
