@@ -102,7 +102,7 @@ def build_parser():
     p.add_argument("--max-total-len", type=int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
-    p.add_argument("--max-rows", type=int_at_least(1), default=64,
+    p.add_argument("--max-rows", type=int_at_least(1), default=None,
                    help="KV-cache rows of one engine batch: tasks run together, each holding up to max(1, B) "
                         "rows at once (1 in sequential mode), and join as others finish (results equal running "
                         "them one at a time; batched is faster at every budget, bench/eval_speed.py). "
@@ -318,7 +318,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             records[k] = rec
             bar.update(1)
 
-        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows, on_done=done, world_model=args.world_engine)
+        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine)
     bar.close()
     return records
 
