@@ -103,10 +103,10 @@ def build_parser():
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
     p.add_argument("--max-rows", type=int_at_least(1), default=None,
-                   help="rows of one engine batch: tasks run together, each with its 1 + B rehearsal rows, and "
-                        "join as others finish (results equal running them one at a time). Default: 64 at "
-                        "B=0; 1 + B (one task at a time) at B>0, where batching across tasks is still slower "
-                        "(bench/eval_speed.py)")
+                   help="KV-cache rows of one engine batch: tasks run together, each holding up to max(1, B) "
+                        "rows at once (1 in sequential mode), and join as others finish (results equal running "
+                        "them one at a time; batched is faster at every budget, bench/eval_speed.py). "
+                        "Default: 64")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
     p.add_argument("--device", default="auto")
     return p
@@ -318,8 +318,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             records[k] = rec
             bar.update(1)
 
-        max_rows = args.max_rows or (64 if budget == 0 else 1 + budget)
-        rehearse.act_many(eng, specs, rcfg, max_rows=max_rows, on_done=done, world_model=args.world_engine)
+        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine)
     bar.close()
     return records
 

@@ -724,9 +724,11 @@ class EpisodeSpec:
 def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_rows: int = 64, on_done=None,
              progress=None, world_model=None) -> list[Episode]:
     """Committed trajectories for many tasks in one engine batch: each task's committed row and its private
-    branches are rows of the same decode loop; tasks join as rows leave, holding at most ~max_rows rows
-    (each task brings 1 + budget). Results equal running each spec alone (greedy: the same tokens; sampled:
-    each row samples from generators seeded by its own spec). on_done(i, episode) as each one ends.
+    branches are rows of the same decode loop; tasks join as rows leave, holding at most ~max_rows
+    KV-cache rows (a task holds up to max(1, budget) at once in parallel mode, 1 in sequential mode: the
+    committed row lends its own to a branch while it waits). Results equal running each spec alone (greedy:
+    the same tokens; sampled: each row samples from generators seeded by its own spec). on_done(i, episode)
+    as each one ends.
     world_model: another model writes every WORLD segment (private rehearsals, fidelity probes), as a
     per-role run's trained world model (Engine.run's argument of the same name)."""
     rcfg = rcfg or RehearsalConfig()
@@ -736,7 +738,7 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
     episodes: list[Episode | None] = [None] * len(specs)
     queue = deque(range(len(specs)))
     live: dict[int, tuple] = {}
-    per_task = 1 + rcfg.budget
+    per_task = max(1, rcfg.budget) if rcfg.mode == "parallel" else 1
 
     def start(i):
         spec = specs[i]

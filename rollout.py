@@ -9,7 +9,8 @@ One sequence per trajectory holds every token with a role id:
 
 After the policy emits a tool call, the engine appends the template's tool-response opening and then either
 lets the same policy write the response (rehearsal, WORLD) or executes the call for real (OBS). The prompt is
-prefilled once per task and its cache is forked for the G samples of the group; after that each forward pass
+prefilled once per task and its cache is forked for the G samples of the group (a long head the tasks' prompts
+share, such as a system prompt with its tools, is prefilled once for all); after that each forward pass
 feeds only the tokens each row has not cached yet (its last sampled token plus any appended scaffolding or
 observation), with ragged per-row lengths handled by an attention mask with holes and explicit positions.
 Rows leave the batch as they finish. No turn re-encodes the context.
@@ -42,6 +43,11 @@ def new_kv_cache():
     return Cache(layer_class_to_replicate=_preallocated_layer_class())
 
 
+def kv_buffer(like: torch.Tensor, shape) -> torch.Tensor:
+    """An unset buffer for a KV layer (a test fills it with NaN to check no unset value is ever read)."""
+    return like.new_empty(shape)
+
+
 @functools.cache   # the class is defined on first use: transformers is imported lazily
 def _preallocated_layer_class():
     from transformers.cache_utils import DynamicLayer
@@ -50,48 +56,109 @@ def _preallocated_layer_class():
         """A KV layer that writes new keys/values into a buffer with spare room instead of concatenating.
 
         DynamicLayer's torch.cat copies the whole cache at every decode step (O(L) per token, ~30-40% of a
-        tiny model's step on CPU). Here the buffer grows geometrically, so appending is amortised O(new tokens);
-        `keys`/`values` are views of the filled part. Batch selection, forking and cropping keep the layout."""
+        tiny model's step on CPU). Here the buffer has spare columns and spare rows, both grown geometrically,
+        so appending tokens or rows is amortised O(new data); `keys`/`values` are views of the filled part
+        (`rows` x `length`). Besides transformers' own operations (batch selection, forking, cropping) it
+        writes a few rows only (`update_rows`, `put`, `copy_row`) and compacts (`compact`), for KVBatch.
+        Buffers are not zeroed when allocated (fresh memory costs a page fault per 4 KiB touched, so room
+        never used is never touched): every column below `length` of every row below `rows` is written
+        before it is read, holes with zeros, as masked columns must hold finite numbers (a masked NaN still
+        poisons attention: 0 * NaN)."""
 
         def lazy_initialization(self, key_states, value_states):
             self.device = key_states.device
-            self.length = 0
+            self.length = self.rows = 0
             self._k = self._v = None
             self.keys = key_states[..., :0, :]
             self.values = value_states[..., :0, :]
             self.is_initialized = True
 
         def _views(self):
-            self.keys = self._k[..., :self.length, :]
-            self.values = self._v[..., :self.length, :]
+            self.keys = self._k[:self.rows, :, :self.length]
+            self.values = self._v[:self.rows, :, :self.length]
 
-        def _grow(self, need, like_k, like_v):
-            cap = max(need, 64, 2 * (0 if self._k is None else self._k.shape[-2]))
-            k = like_k.new_empty((*like_k.shape[:-2], cap, like_k.shape[-1]))
-            v = like_v.new_empty((*like_v.shape[:-2], cap, like_v.shape[-1]))
-            if self.length:
-                k[..., :self.length, :] = self._k[..., :self.length, :]
-                v[..., :self.length, :] = self._v[..., :self.length, :]
+        def reserve(self, rows, length, like_k, like_v):
+            """Room for `rows` rows and `length` columns; what is written stays, new room is unset."""
+            if not self.is_initialized:
+                self.lazy_initialization(like_k, like_v)
+            have_b, have_l = (0, 0) if self._k is None else (self._k.shape[0], self._k.shape[-2])
+            if rows <= have_b and length <= have_l:
+                return
+            # a quarter of spare rows, not more: fresh memory costs a page fault per 4 KiB
+            cap_b = rows + rows // 4
+            cap_l = have_l if length <= have_l else max(length, 64, 2 * have_l)
+            k = kv_buffer(like_k, (cap_b, *like_k.shape[1:-2], cap_l, like_k.shape[-1]))
+            v = kv_buffer(like_v, (cap_b, *like_v.shape[1:-2], cap_l, like_v.shape[-1]))
+            if self._k is not None and self.rows and self.length:
+                k[:self.rows, :, :self.length] = self._k[:self.rows, :, :self.length]
+                v[:self.rows, :, :self.length] = self._v[:self.rows, :, :self.length]
             self._k, self._v = k, v
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            n = key_states.shape[-2]
-            if self._k is None or self.length + n > self._k.shape[-2]:
-                self._grow(self.length + n, key_states, value_states)
-            self._k[..., self.length:self.length + n, :] = key_states
-            self._v[..., self.length:self.length + n, :] = value_states
+            b, n = key_states.shape[0], key_states.shape[-2]
+            self.reserve(b, self.length + n, key_states, value_states)
+            self.rows = b
+            self._k[:b, :, self.length:self.length + n] = key_states
+            self._v[:b, :, self.length:self.length + n] = value_states
             self.length += n
             self._views()
             return self.keys, self.values
+
+        def update_rows(self, slots, key_states, value_states):
+            """A forward over rows `slots` only: their new columns are written (the other rows get masked
+            columns, zero) and their whole cache is returned (a copy of those rows)."""
+            n = key_states.shape[-2]
+            self.reserve(self.rows, self.length + n, key_states, value_states)
+            self._k[:self.rows, :, self.length:self.length + n] = 0
+            self._v[:self.rows, :, self.length:self.length + n] = 0
+            self._k[slots, :, self.length:self.length + n] = key_states
+            self._v[slots, :, self.length:self.length + n] = value_states
+            self.length += n
+            self._views()
+            return self._k[slots, :, :self.length], self._v[slots, :, :self.length]
+
+        def put(self, rows, slots, start, keys, values):
+            """Write other caches' rows (e.g. a prefill's) into rows `slots`, ending at our last column (which
+            moves right if they are longer: the other rows get zero holes); ours then has `rows` rows."""
+            end = start + keys.shape[-2]
+            self.reserve(rows, end, keys, values)
+            assert end >= self.length, "put rows end at the cache's last column"
+            for buf, new in ((self._k, keys), (self._v, values)):
+                buf[:rows, :, self.length:end] = 0
+                buf[slots, :, :start] = 0
+                buf[slots, :, start:end] = new
+            self.rows, self.length = rows, end
+            self._views()
+
+        def resize_rows(self, rows):
+            """Use `rows` rows (new ones are set by the caller: copy_row or put)."""
+            if self._k is not None:
+                self.reserve(rows, self.length, self._k, self._v)
+                self.rows = rows
+                self._views()
+
+        def copy_row(self, src, dst):
+            self._k[dst, :, :self.length] = self._k[src, :, :self.length]
+            self._v[dst, :, :self.length] = self._v[src, :, :self.length]
+
+        def compact(self, slots, cols):
+            """Keep rows `slots` (in that order) and, in each, the columns cols[i] (a [rows, width] index),
+            in the same buffers (their room is kept for the columns to come)."""
+            k = self._k[slots[:, None], :, cols].transpose(1, 2)    # [rows, heads, width, dim], a copy
+            v = self._v[slots[:, None], :, cols].transpose(1, 2)
+            self._k[:k.shape[0], :, :k.shape[-2]] = k
+            self._v[:k.shape[0], :, :k.shape[-2]] = v
+            self.rows, self.length = k.shape[0], k.shape[-2]
+            self._views()
 
         def get_seq_length(self):
             return self.length if self.is_initialized else 0
 
         def reset(self):
             self._k = self._v = None
-            self.length = 0
+            self.length = self.rows = 0
             super().reset()
 
         def crop(self, tokens_to_remove):
@@ -103,32 +170,16 @@ def _preallocated_layer_class():
 
         def batch_repeat_interleave(self, repeats):
             if self.get_seq_length() > 0:
-                self._k = self._k.repeat_interleave(repeats, dim=0)
-                self._v = self._v.repeat_interleave(repeats, dim=0)
+                self._k = self._k[:self.rows].repeat_interleave(repeats, dim=0)
+                self._v = self._v[:self.rows].repeat_interleave(repeats, dim=0)
+                self.rows *= repeats
                 self._views()
 
         def batch_select_indices(self, indices):
             if self.get_seq_length() > 0:
                 self._k, self._v = self._k[indices, ...], self._v[indices, ...]
+                self.rows = self._k.shape[0]
                 self._views()
-
-        def batch_extend(self, other, width):
-            """Append other's rows below ours; both are left-padded to `width` columns (masked by the caller)."""
-            mine, theirs = self.get_seq_length(), other.get_seq_length()
-            like = self._k if self._k is not None else other._k
-            shape = lambda b: (b, *like.shape[1:-2], max(width, 64), like.shape[-1])  # noqa: E731
-            b1 = self._k.shape[0] if self._k is not None else 0
-            k = like.new_zeros(shape(b1 + other._k.shape[0]))
-            v = like.new_zeros(shape(b1 + other._k.shape[0]))
-            if mine:
-                k[:b1, ..., width - mine:width, :] = self._k[..., :mine, :]
-                v[:b1, ..., width - mine:width, :] = self._v[..., :mine, :]
-            k[b1:, ..., width - theirs:width, :] = other._k[..., :theirs, :]
-            v[b1:, ..., width - theirs:width, :] = other._v[..., :theirs, :]
-            if not self.is_initialized:
-                self.device, self.is_initialized = other.device, True
-            self._k, self._v, self.length = k, v, width
-            self._views()
 
         def __deepcopy__(self, memo):
             twin = copy.copy(self)
@@ -138,6 +189,33 @@ def _preallocated_layer_class():
             return twin
 
     return PreallocatedKVLayer
+
+
+@functools.cache
+def _row_subset_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class RowSubsetLayer(DynamicLayer):
+        """A forward over some rows of a PreallocatedKVLayer (KVBatch feeds long feeds apart)."""
+
+        def __init__(self, layer, slots):
+            super().__init__()
+            self.layer, self.slots, self.is_initialized = layer, slots, True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return self.layer.update_rows(self.slots, key_states, value_states)
+
+        def get_seq_length(self):
+            return self.layer.get_seq_length()
+
+    return RowSubsetLayer
+
+
+def row_subset_cache(cache, slots):
+    """A Cache for a forward over rows `slots` of `cache` (new_kv_cache's): it writes their new columns into
+    `cache` (the other rows' become masked holes) and reads their whole cache."""
+    from transformers.cache_utils import Cache
+    return Cache(layers=[_row_subset_layer_class()(layer, slots) for layer in cache.layers])
 
 
 class Role(IntEnum):
@@ -280,6 +358,7 @@ class Row:
         self.seed, self.bucket = seed, bucket
         self.counts = counts if counts is not None else {}   # tokens fed/sampled per bucket, shared by an episode
         self.hooks = hooks                 # test-time rehearsal: before_turn(row, item), before_response(...)
+        self.slot = -1                     # its row in the batch's KV cache (KVBatch), while it runs
 
     @property
     def feed(self) -> list[int]:
@@ -336,20 +415,28 @@ class Row:
 
 
 class Lane:
-    """One model's view of a batch: its KV cache, attention mask and each row's latest next-token logits."""
+    """One model's view of a batch: its KV cache, attention mask and each cache row's next-token logits."""
 
     def __init__(self, model, use_cache: bool):
         self.model = model
         self.device = next(model.parameters()).device
         self.cache = new_kv_cache() if use_cache else None
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
-        self.logits: torch.Tensor | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.bool, device=self.device)   # [cache rows, columns]
+        self.logits: torch.Tensor | None = None   # [capacity, vocab]; row s: cache row s's latest logits
 
 
 class KVBatch:
     """The rows being generated and their KV cache, with its attention mask (holes where ragged rows were
-    padded) and each row's latest next-token logits. Rows leave (`select`), fork (a row index repeated) and
-    join (`admit`: prefilled apart, one prefill per distinct prompt, then appended to the batch).
+    padded) and each row's latest next-token logits.
+
+    Each row holds one cache row (`Row.slot`) for as long as it runs: a fork copies its parent's cache row
+    into a free one (the last child takes the parent's own while the parent waits, see `lend`), a row that
+    ends frees its own (nothing else moves), and joining rows are prefilled apart (one prefill per distinct
+    prompt, or per shared head) and written into free rows. All rows share the cache's columns: a forward
+    appends its chunk's columns to every row (masked where a row fed nothing). So the longer feeds (an
+    observation, a memory block, re-fed committed tokens) are fed apart, in forwards grouped by length over
+    those rows only, and every row's last token in one [rows, 1] forward; when holes or free rows take
+    over, the cache is packed (each row's tokens right-aligned, free rows dropped).
 
     With a world model (another model writing the WORLD segments: a frozen simulator or a separately trained
     world model), each model keeps its own cache of the same token sequence in a lane of its own: every
@@ -359,28 +446,136 @@ class KVBatch:
         self.pad_id, self.use_cache = pad_id, use_cache
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
+        self.slots = 0                 # cache rows in use, free ones included: every forward covers them
+        self.free: list[int] = []      # cache rows no row holds (fed pads until reused or compacted away)
+        self.lent: dict[int, tuple] = {}   # id(child) -> (parent, its cached count, its logits) (see lend)
         self.lanes = [Lane(model, use_cache)] + ([Lane(world_model, use_cache)] if world_model is not None else [])
-        self.forward_calls = self.tokens_fed = 0
+        self.forward_calls = self.tokens_fed = self.compactions = 0
 
-    def logits_for(self, j: list[int], roles: list[Role]) -> torch.Tensor:
-        """Next-token logits of rows j, each from the model that writes its segment's role."""
-        out = self.lanes[0].logits[j]
+    # -- cache rows ----------------------------------------------------------------------------------------
+
+    def _alloc(self) -> int:
+        """The lowest free cache row, else a new one (its content is set by the caller)."""
+        if self.free:
+            self.free.sort()
+            return self.free.pop(0)
+        self.slots += 1
+        for lane in self.lanes:
+            if self.use_cache and lane.cache.layers:
+                for layer in lane.cache.layers:
+                    layer.resize_rows(self.slots)
+            lane.mask = torch.cat([lane.mask, lane.mask.new_zeros((1, lane.mask.shape[1]))])
+        return self.slots - 1
+
+    def _logits_room(self, lane: Lane, vocab: int, like: torch.Tensor):
+        if lane.logits is None or lane.logits.shape[-1] != vocab:
+            lane.logits = like.new_zeros((max(self.slots, 8), vocab))
+        elif lane.logits.shape[0] < self.slots:
+            grown = lane.logits.new_zeros((max(self.slots, 2 * lane.logits.shape[0]), vocab))
+            grown[:lane.logits.shape[0]] = lane.logits
+            lane.logits = grown
+
+    def _set_logits(self, lane: Lane, slots: list[int], logits: torch.Tensor):
+        self._logits_room(lane, logits.shape[-1], logits)
+        lane.logits[slots] = logits
+
+    def fork(self, parent: Row, child: Row):
+        """The child continues from the parent's cache row: copied into a free one, nothing recomputed."""
+        child.slot = s = self._alloc()
+        for lane in self.lanes:
+            if self.use_cache:
+                for layer in lane.cache.layers:
+                    layer.copy_row(parent.slot, s)
+                lane.mask[s] = lane.mask[parent.slot]
+            if lane.logits is not None:
+                self._logits_room(lane, lane.logits.shape[-1], lane.logits)
+                lane.logits[s] = lane.logits[parent.slot]
+
+    def lend(self, parent: Row, child: Row):
+        """The child takes the parent's cache row while the parent waits for its children: nothing is copied,
+        and no row is fed pads for the idle parent. The row goes back to the parent when the child leaves,
+        cut back to the parent's tokens (the child only appended to them)."""
+        saved = [None if lane.logits is None else lane.logits[parent.slot].clone() for lane in self.lanes]
+        self.lent[id(child)] = (parent, parent.n_cached, saved)
+        child.slot, parent.slot = parent.slot, -1
+
+    def drop(self, rows: list[Row]):
+        """Rows that ended leave: their cache rows are freed (trailing free rows are cut off), or given back
+        to the parent that lent them."""
+        gone = {id(r) for r in rows}
+        self.rows = [r for r in self.rows if id(r) not in gone]
+        # lent rows go back first (a parent that ends in the same step as its last child then frees the
+        # row it got back; a row lent on again comes back to its lender before going further back)
+        lent = [r for r in rows if id(r) in self.lent]
+        while lent:
+            r = next(r for r in lent if r.slot >= 0)
+            lent.remove(r)
+            parent, n_cached, saved = self.lent.pop(id(r))
+            parent.slot, r.slot = r.slot, -1
+            for lane, logits in zip(self.lanes, saved):
+                if self.use_cache:   # keep the first n_cached tokens of the row: the parent's
+                    mask = lane.mask[parent.slot]
+                    lane.mask[parent.slot] = mask & (mask.cumsum(0) <= n_cached)
+                if logits is not None:
+                    lane.logits[parent.slot] = logits
+        for r in rows:
+            if r.slot >= 0:
+                self.free.append(r.slot)
+                r.slot = -1
+        free = set(self.free)
+        while self.slots and self.slots - 1 in free:
+            free.discard(self.slots - 1)
+            self.slots -= 1
+        self.free = sorted(free)
+        for lane in self.lanes:
+            lane.mask = lane.mask[:self.slots]
+            if self.use_cache:
+                for layer in lane.cache.layers:
+                    layer.resize_rows(self.slots)
+
+    def _compact_if_sparse(self):
+        """Pack the cache once its columns exceed the longest row's tokens by a third (packing costs about
+        two decode steps' reads; measured on toy-world B=2 evaluation, a third reads least) or half its rows
+        are free: every row's tokens right-aligned to the longest row's count, the rows renumbered in batch
+        order, free rows dropped."""
+        holders = [r for r in self.rows if r.slot >= 0]     # not the parents whose row is lent
+        if not holders or not self.lanes[0].cache.layers:
+            return
+        width, longest = self.lanes[0].mask.shape[1], max(r.n_cached for r in holders)
+        if width <= longest + longest // 3 + 32 and len(self.free) * 2 <= self.slots:
+            return
+        self.compactions += 1
+        slots = torch.tensor([r.slot for r in holders], dtype=torch.long, device=self.device)
+        for lane in self.lanes:
+            mask = lane.mask[slots.to(lane.device)]
+            # a stable sort of each mask row puts its holes first and its tokens after, in order
+            keep, cols = torch.sort(mask.to(torch.int8), dim=1, stable=True)
+            keep, cols = keep[:, width - longest:].bool(), cols[:, width - longest:]
+            for layer in lane.cache.layers:
+                layer.compact(slots.to(lane.device), cols)
+            lane.mask = keep
+            if lane.logits is not None:
+                lane.logits = lane.logits[slots.to(lane.device)]
+        for j, r in enumerate(holders):
+            r.slot = j
+        self.slots, self.free = len(holders), []
+
+    @property
+    def held(self) -> int:
+        """Cache rows in use: what a forward computes over and memory holds (a waiting parent holds none)."""
+        return self.slots - len(self.free)
+
+    # -- model calls ---------------------------------------------------------------------------------------
+
+    def logits_for(self, rows: list[Row]) -> torch.Tensor:
+        """Next-token logits of `rows`, each from the model that writes its segment's role."""
+        out = self.lanes[0].logits[[r.slot for r in rows]]
         if len(self.lanes) > 1:
-            world = [k for k, role in enumerate(roles) if role == Role.WORLD]
+            world = [k for k, r in enumerate(rows) if r.gen.role == Role.WORLD]
             if world:
                 out = out.clone()
-                out[world] = self.lanes[1].logits[[j[k] for k in world]].to(out.dtype)
+                out[world] = self.lanes[1].logits[[rows[k].slot for k in world]].to(out.dtype)
         return out
-
-    def select(self, slots: list[int]):
-        """Keep, reorder or repeat rows: row j of the result is row slots[j] (repeating one forks its cache)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        for lane in self.lanes:
-            if self.use_cache and lane.mask.shape[0]:
-                lane.cache.batch_select_indices(idx)
-                lane.mask = lane.mask[idx]
-            if lane.logits is not None:
-                lane.logits = lane.logits[idx]
 
     def _forward(self, lane: Lane, ids, mask, pos, cache):
         out = lane.model(input_ids=ids.to(lane.device), attention_mask=mask, position_ids=pos.to(lane.device),
@@ -389,83 +584,131 @@ class KVBatch:
         return out.logits[:, -1].float()
 
     def admit(self, rows: list[Row]):
-        """Add rows whose tokens are not cached yet; rows with the same prompt share one prefill."""
+        """Add rows whose tokens are not cached yet; rows with the same prompt share one prefill, written
+        into the rows' cache rows right-aligned at the current columns (widened if a prompt is longer).
+        When the distinct prompts share a head (a system prompt with the tools), only the head is prefilled,
+        once; the rest of each prompt is left uncached, for the next feed."""
         if not rows:
             return
+        for r in rows:
+            r.slot = self._alloc()
+        self.rows += rows
         if not self.use_cache:                 # the reference path re-encodes everything at the next feed
-            self.rows += rows
-            for lane in self.lanes:
-                if lane.logits is not None:
-                    lane.logits = torch.cat([lane.logits, lane.logits.new_zeros((len(rows), lane.logits.shape[-1]))])
             return
         prompts: dict[tuple, int] = {}
         for r in rows:
-            if tuple(r.ids) not in prompts:
-                prompts[tuple(r.ids)] = len(prompts)
-                r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(r.ids)
-        ids, mask, pos = ragged_chunk([list(p) for p in prompts], [0] * len(prompts), self.pad_id)
-        pick = torch.tensor([prompts[tuple(r.ids)] for r in rows], device=self.device)
+            prompts.setdefault(tuple(r.ids), len(prompts))
+        heads = [list(p) for p in prompts]
+        shared = common_prefix_length(heads)
+        if len(heads) > 1 and shared >= 64:    # worth a forward of its own (and the suffixes' own)
+            heads, prompts = [heads[0][:shared]], {p: 0 for p in prompts}
+        counted = set()
+        for r in rows:
+            h = prompts[tuple(r.ids)]
+            if h not in counted:
+                counted.add(h)
+                r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(heads[h])
+        for group in length_groups([len(h) for h in heads]):     # prompts of like lengths together
+            at = {h: k for k, h in enumerate(group)}
+            joining = [r for r in rows if prompts[tuple(r.ids)] in at]
+            self._prefill([heads[h] for h in group], joining, [at[prompts[tuple(r.ids)]] for r in joining])
+        for r in rows:
+            r.n_cached = len(heads[prompts[tuple(r.ids)]])
+
+    def _prefill(self, heads: list[list[int]], rows: list[Row], pick: list[int]):
+        """Prefill `heads` apart and write head pick[i] into rows[i]'s cache row, right-aligned at the
+        current columns (widened if a head is longer)."""
+        ids, mask, pos = ragged_chunk(heads, [0] * len(heads), self.pad_id)
+        slots, width = [r.slot for r in rows], ids.shape[1]
         for lane in self.lanes:
             cache = new_kv_cache()
-            lane_mask = mask.to(lane.device)
+            lane_mask = mask.to(lane.device).bool()
             logits = self._forward(lane, ids, lane_mask, pos, cache)
-            cache.batch_select_indices(pick.to(lane.device))
-            self._append_cache(lane, cache, lane_mask[pick])
-            lane.logits = logits[pick] if lane.logits is None else torch.cat([lane.logits, logits[pick]])
+            have = lane.mask.shape[1]
+            if width > have:                   # the other rows get masked columns on the right
+                lane.mask = torch.cat([lane.mask, lane.mask.new_zeros((self.slots, width - have))], dim=1)
+            start = max(have, width) - width
+            lane_pick, lane_slots = torch.tensor(pick, device=lane.device), torch.tensor(slots, device=lane.device)
+            while len(lane.cache.layers) < len(cache.layers):
+                lane.cache.layers.append(_preallocated_layer_class()())
+            for mine, theirs in zip(lane.cache.layers, cache.layers):
+                mine.put(self.slots, lane_slots, start, theirs.keys[lane_pick], theirs.values[lane_pick])
+            lane.mask[lane_slots] = False
+            lane.mask[lane_slots, start:] = lane_mask[lane_pick]
+            self._set_logits(lane, slots, logits[lane_pick])
         self.tokens_fed += int(mask.sum())
-        for r in rows:
-            r.n_cached = len(r.ids)
-        self.rows += rows
-
-    @staticmethod
-    def _append_cache(lane: Lane, cache, mask):
-        """Append another batch's cache (rows below ours), left-padding the shorter side with masked columns."""
-        if lane.mask.shape[0] == 0:
-            lane.cache, lane.mask = cache, mask
-            return
-        width = max(lane.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(lane.cache.layers, cache.layers):
-            mine.batch_extend(theirs, width)
-        pad = lambda m: torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)  # noqa: E731
-        lane.mask = torch.cat([pad(lane.mask), pad(mask)])
 
     def feed(self):
-        """Feed every row's uncached tokens in one forward per model (rows with none are padded); update the
-        logits of the rows fed."""
-        fed = [j for j, r in enumerate(self.rows) if r.feed]
+        """Feed every row's uncached tokens: all but the last token of the longer feeds first, over those
+        rows only, then every row's last token in one [cache rows, 1] forward per model (rows with none and
+        free rows are padded); update the logits of the rows fed."""
+        fed = [r for r in self.rows if r.feed]
         if not fed:
             return
         if not self.use_cache:   # reference path: re-encode each row's whole sequence (right-padded, no cache)
-            width = max(len(self.rows[j].ids) for j in fed)
+            width = max(len(r.ids) for r in fed)
             ids = torch.full((len(fed), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(fed), width), dtype=torch.long)
-            for k, j in enumerate(fed):
-                ids[k, :len(self.rows[j].ids)] = torch.tensor(self.rows[j].ids)
-                mask[k, :len(self.rows[j].ids)] = 1
-            last = torch.tensor([len(self.rows[j].ids) - 1 for j in fed])
+            for k, r in enumerate(fed):
+                ids[k, :len(r.ids)] = torch.tensor(r.ids)
+                mask[k, :len(r.ids)] = 1
+            last = torch.tensor([len(r.ids) - 1 for r in fed])
             for lane in self.lanes:
                 all_logits = lane.model(input_ids=ids.to(lane.device), attention_mask=mask.to(lane.device)).logits
-                self._set_logits(lane, fed, all_logits[torch.arange(len(fed)), last.to(lane.device)].float())
+                last_logits = all_logits[torch.arange(len(fed)), last.to(lane.device)].float()
+                self._set_logits(lane, [r.slot for r in fed], last_logits)
                 self.forward_calls += 1
-            for j in fed:
-                self.tokens_fed += len(self.rows[j].ids)
-                self.rows[j].n_cached = len(self.rows[j].ids)
+            for r in fed:
+                self.tokens_fed += len(r.ids)
+                r.n_cached = len(r.ids)
             return
-        feeds = [r.feed for r in self.rows]
-        ids, chunk_mask, pos = ragged_chunk(feeds, [r.n_cached for r in self.rows], self.pad_id)
+        self._compact_if_sparse()
+        for r in fed:
+            r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(r.feed)
+            self.tokens_fed += len(r.feed)
+        longer = [r for r in fed if len(r.feed) > 1]
+        for group in length_groups([len(r.feed) - 1 for r in longer]):
+            self._feed_prefixes([longer[k] for k in group])
+        ids = torch.full((self.slots, 1), self.pad_id, dtype=torch.long)
+        chunk_mask = torch.zeros((self.slots, 1), dtype=torch.bool)
+        pos = torch.zeros((self.slots, 1), dtype=torch.long)
+        slots = [r.slot for r in fed]
+        ids[slots, 0] = torch.tensor([r.ids[-1] for r in fed])
+        chunk_mask[slots, 0] = True
+        pos[slots, 0] = torch.tensor([len(r.ids) - 1 for r in fed])
         for lane in self.lanes:
             lane.mask = torch.cat([lane.mask, chunk_mask.to(lane.device)], dim=1)
             logits = self._forward(lane, ids, lane.mask, pos, lane.cache)
-            self._set_logits(lane, fed, logits[fed])
-        for r, f in zip(self.rows, feeds):
-            self.tokens_fed += len(f)
-            r.counts[f"{r.bucket}_fed"] = r.counts.get(f"{r.bucket}_fed", 0) + len(f)
+            self._set_logits(lane, slots, logits[slots])
+        for r in fed:
             r.n_cached = len(r.ids)
 
-    def _set_logits(self, lane: Lane, rows: list[int], logits):
-        if lane.logits is None or lane.logits.shape[-1] != logits.shape[-1]:
-            lane.logits = torch.zeros((len(self.rows), logits.shape[-1]), device=logits.device)
-        lane.logits[rows] = logits
+    def _feed_prefixes(self, rows: list[Row]):
+        """Cache all but the last uncached token of `rows`: over those rows only when they are few (their cache
+        rows are read as a copy; the others get masked columns), else over every cache row."""
+        feeds = [r.feed[:-1] for r in rows]
+        ids, chunk_mask, pos = ragged_chunk(feeds, [r.n_cached for r in rows], self.pad_id)
+        chunk_mask = chunk_mask.bool()
+        slots = [r.slot for r in rows]
+        few = 2 * len(rows) < self.slots
+        if not few:        # the whole cache: the other rows are fed pads
+            full_ids = torch.full((self.slots, ids.shape[1]), self.pad_id, dtype=torch.long)
+            full_mask = torch.zeros((self.slots, ids.shape[1]), dtype=torch.bool)
+            full_pos = torch.zeros((self.slots, ids.shape[1]), dtype=torch.long)
+            full_ids[slots], full_mask[slots], full_pos[slots] = ids, chunk_mask, pos
+            ids, chunk_mask, pos = full_ids, full_mask, full_pos
+        for lane in self.lanes:
+            idx = torch.tensor(slots, dtype=torch.long, device=lane.device)
+            if few:
+                grown = torch.cat([lane.mask, lane.mask.new_zeros((self.slots, ids.shape[1]))], dim=1)
+                grown[idx, lane.mask.shape[1]:] = chunk_mask.to(lane.device)
+                self._forward(lane, ids, grown[idx], pos, row_subset_cache(lane.cache, idx))
+                lane.mask = grown
+            else:
+                lane.mask = torch.cat([lane.mask, chunk_mask.to(lane.device)], dim=1)
+                self._forward(lane, ids, lane.mask, pos, lane.cache)
+        for r, f in zip(rows, feeds):
+            r.n_cached += len(f)
 
 
 class Engine:
@@ -631,12 +874,13 @@ class Engine:
 
     def decode(self, batch: KVBatch, cfg: SamplingConfig, rehearse: ResponseSwitch | None = None,
                steer: Steer | None = None, admit: Callable[[int], list[Row]] | None = None, progress=None):
-        """Generate until every row has ended. admit(n_rows) -> new rows joins rows in as others leave."""
+        """Generate until every row has ended. admit(n) -> new rows joins rows in as others leave; n is the
+        number of cache rows in use (KVBatch.held)."""
         max_len = self._max_len = self.max_len(cfg)
         while True:
             t_step = time.perf_counter()
             if admit is not None:
-                joining = admit(len(batch.rows))
+                joining = admit(batch.held)
                 for r in joining:
                     self._check_length(r, max_len, joining=True)
                 batch.admit([r for r in joining if not r.done])
@@ -647,12 +891,11 @@ class Engine:
             self._spawn(batch)
             ready = [r for r in batch.rows if r.ready]
             if ready:
-                j_ready = [j for j, r in enumerate(batch.rows) if r.ready]
-                logits = batch.logits_for(j_ready, [r.gen.role for r in ready])
+                logits = batch.logits_for(ready)
                 steered = None if steer is None else steer(
                     [r.stream for r in ready], [(r.gen.role, r.ids[r.gen_start:]) for r in ready], logits.clone())
-                for k, r in enumerate(ready):
-                    tok_id, lp = sample_row(logits[k], cfg, r.rng, None if steered is None else steered[k])
+                tokens, logps = sample_rows(logits, cfg, [r.rng for r in ready], steered)
+                for r, tok_id, lp in zip(ready, tokens, logps):
                     r.counts[f"{r.bucket}_sampled"] = r.counts.get(f"{r.bucket}_sampled", 0) + 1
                     r.append([tok_id], r.gen.role, [lp])
                     self._after_token(r, tok_id, cfg, rehearse, max_len)
@@ -661,8 +904,7 @@ class Engine:
             for r in ready:
                 work[id(r)] = work.get(id(r), 0) + 1
             self._attribute_time(batch.rows, work, time.perf_counter() - t_step)
-            batch.select([j for j, r in enumerate(batch.rows) if not r.done])
-            batch.rows = [r for r in batch.rows if not r.done]
+            batch.drop([r for r in batch.rows if r.done])
 
     @staticmethod
     def _attribute_time(rows: list[Row], work: dict, seconds: float):
@@ -727,9 +969,8 @@ class Engine:
             self._ended(row)
 
     def _spawn(self, batch: KVBatch):
-        slots, rows = [], []
-        for j, r in enumerate(batch.rows):
-            slots.append(j)
+        rows = []
+        for r in batch.rows:
             rows.append(r)
             if r.spawn is None or r.feed:
                 continue
@@ -739,12 +980,14 @@ class Engine:
             r.waiting = len(children)
             for child in children:
                 child.parent = r
-                slots.append(j)
                 rows.append(child)
+                if child is not children[-1]:
+                    batch.fork(r, child)       # a copy of the parent's cache row
+            if children:
+                batch.lend(r, children[-1])    # the parent's own, while it waits
             if not children:
                 self._resume(r)
         if len(rows) != len(batch.rows):
-            batch.select(slots)
             batch.rows = rows
             for child in rows:
                 if child.parent is not None and child.gen is None and child.spawn is None and not child.done:
@@ -821,6 +1064,35 @@ class Engine:
                        stats=stats)
 
 
+def common_prefix_length(seqs: list[list[int]]) -> int:
+    """How many leading tokens all `seqs` share."""
+    n = min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == seqs[0][k]:
+            k += 1
+        n = k
+    return n
+
+
+def length_groups(lengths: list[int], overhead: int = 16) -> list[list[int]]:
+    """Split ragged feeds into forwards so that padding costs little: their indices, longest feed first, cut
+    into runs that minimise the positions fed (a run's rows x its longest feed) plus `overhead` positions per
+    forward (a forward's fixed cost)."""
+    order = sorted(range(len(lengths)), key=lambda k: -lengths[k])
+    best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        for j in range(i):
+            cost = best[j] + (i - j) * lengths[order[j]] + overhead
+            if best[i] is None or cost < best[i]:
+                best[i], cut[i] = cost, j
+    groups, i = [], len(order)
+    while i:
+        groups.append(order[cut[i]:i])
+        i = cut[i]
+    return groups[::-1]
+
+
 def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
     """Left-pad each row's new tokens into one [B, W] chunk (so the last column is real for every row), with
     its attention-mask columns and explicit positions continuing each row's own count of cached tokens."""
@@ -837,23 +1109,39 @@ def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
     return ids, chunk_mask, pos
 
 
-def sample_row(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator, steered: torch.Tensor | None = None):
-    """Sample one token of one row with the row's own generator; return (token, log-prob under the
-    temperature-scaled full distribution). The recorded log-prob ignores top-p truncation and steering on
-    purpose: it is what the trainer recomputes."""
+def sample_rows(logits: torch.Tensor, cfg: SamplingConfig, gens: list[torch.Generator],
+                steered: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """Sample one token per row ([rows, vocab] logits), row k with its own generator gens[k]; return the tokens
+    and their log-probs under the temperature-scaled full distribution. The recorded log-prob ignores top-p
+    truncation and steering on purpose: it is what the trainer recomputes. The softmaxes and the top-p cut
+    run over all rows at once (each row's numbers are those of the row alone); only the draws are per row."""
     choose = logits if steered is None else steered
     if cfg.greedy or cfg.temperature <= 0:
-        token = int(choose.argmax())
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
-    probs = torch.softmax(choose / cfg.temperature, dim=-1)
-    if cfg.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > cfg.top_p   # keep the smallest head with mass >= top_p
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    token = int(torch.multinomial(probs.cpu(), 1, generator=gen)[0])
-    return token, float(logp[token])
+        tokens = choose.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        logp = torch.log_softmax(logits / cfg.temperature, dim=-1)
+        probs = torch.softmax(choose / cfg.temperature, dim=-1)
+        if cfg.top_p < 1.0:
+            probs = top_p_cut(probs, cfg.top_p)
+        probs = probs.cpu()
+        tokens = torch.tensor([int(torch.multinomial(probs[k], 1, generator=g)[0]) for k, g in enumerate(gens)],
+                              device=logits.device)
+    return tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist()
+
+
+def top_p_cut(probs: torch.Tensor, top_p: float, head: int = 64) -> torch.Tensor:
+    """Zero each row's tail beyond the smallest head of mass >= top_p (rows sorted by probability). The head
+    is looked for among the `head` largest first (sorting many whole rows costs more than sampling them); a
+    row whose head is longer is sorted whole, alone (so a row's result never depends on the other rows)."""
+    def cut(vals, order, like):
+        outside = vals.cumsum(-1) - vals > top_p    # keep the smallest head with mass >= top_p
+        return torch.zeros_like(like).scatter(-1, order, vals.masked_fill(outside, 0.0)), outside
+    out, outside = cut(*probs.topk(min(head, probs.shape[-1]), dim=-1), probs)   # sorted, largest first
+    if outside.shape[-1] < probs.shape[-1]:
+        for k in (~outside[:, -1]).nonzero().flatten().tolist():
+            out[k] = cut(*probs[k].sort(descending=True), probs[k])[0]
+    return out
 
 
 def describe_row(rollout: Rollout, tok, row: int) -> str:

@@ -275,3 +275,114 @@ def test_a_world_model_writes_the_world_segments_from_its_own_cache(micro64):
             pos = torch.nonzero(out.roles[b, 1:n] == role).flatten()
             want = logp[pos, ids[0, pos + 1]]
             assert torch.allclose(out.logprobs[b, pos + 1].double(), want, atol=1e-6), (b, role)
+
+
+@pytest.mark.parametrize("unset", ["empty", "nan"])
+def test_kv_batch_cache_rows_stay_exact_through_every_operation(micro64, monkeypatch, unset):
+    """Each row holds one KV-cache row: joining rows are written into free rows (a prompt longer than the
+    cache widens it), long feeds are fed apart from the one-token rows in forwards grouped by length (over
+    those rows only, or over every row when they are many), forks copy a row, a parent lends its row to a
+    child and gets it back cut to its own tokens, rows leave, and the cache is packed once holes pile up.
+    After each step every row's next-token logits equal a full forward of its tokens, and its mask holds
+    exactly its cached tokens. With buffers' unset room full of NaN, no unset value is ever read."""
+    from rollout import KVBatch, Row
+    if unset == "nan":
+        monkeypatch.setattr(rollout, "kv_buffer", lambda like, shape: like.new_full(shape, float("nan")))
+    model, tok = micro64
+    gen = torch.Generator().manual_seed(0)
+    task = tasks(1)[0]
+    batch = KVBatch(model, tok.pad_token_id)
+
+    def ids(n):
+        return torch.randint(5, 1000, (n,), generator=gen).tolist()
+
+    def check():
+        slots = [r.slot for r in batch.rows if r.slot >= 0]
+        assert len(set(slots)) == len(slots) and not set(slots) & set(batch.free)
+        for r in batch.rows:
+            if r.slot < 0:
+                continue
+            assert int(batch.lanes[0].mask[r.slot].sum()) == r.n_cached == len(r.ids)
+            with torch.no_grad():
+                want = model(input_ids=torch.tensor([r.ids])).logits[0, -1].float()
+            torch.testing.assert_close(batch.lanes[0].logits[r.slot], want, atol=1e-5, rtol=0)
+
+    shared = ids(30)
+    rows = [Row(task, p) for p in (shared, ids(12), shared, ids(50), ids(7))]
+    batch.admit(rows)
+    check()
+    for r, n in zip(rows, (1, 40, 3, 0, 17)):          # ragged: one-token rows and long feeds together
+        r.ids += ids(n)
+    batch.feed()
+    check()
+    kid = rows[1].fork(1, 0, "private")                 # a copy of rows[1]'s cache row
+    batch.fork(rows[1], kid)
+    lent = rows[2].fork(2, 0, "private")                # rows[2]'s own row, while it waits
+    batch.lend(rows[2], lent)
+    assert rows[2].slot == -1 and lent.slot >= 0
+    batch.rows += [kid, lent]
+    kid.ids += ids(9)
+    lent.ids += ids(25)
+    rows[0].ids += ids(1)
+    batch.feed()
+    check()
+    batch.drop([lent, rows[4]])                         # rows[2] gets its row back, cut to its tokens
+    check()
+    rows[2].ids += ids(4)
+    batch.admit([Row(task, ids(300))])                  # longer than the cache: widened
+    batch.feed()
+    check()
+    head = ids(70)                                      # prompts sharing a head: the head prefilled once
+    fed = batch.tokens_fed
+    joining = [Row(task, head + ids(6)), Row(task, head + ids(19)), Row(task, list(head))]
+    batch.admit(joining)
+    assert batch.tokens_fed - fed == 70 and [r.n_cached for r in joining] == [70, 70, 70]
+    batch.feed()
+    assert batch.tokens_fed - fed == 70 + 6 + 19
+    check()
+    for step in range(40):                              # many long feeds to a few rows: holes, then packing
+        live = [r for r in batch.rows if r.slot >= 0]
+        for k, r in enumerate(live):
+            if (k + step) % 3 == 0:
+                r.ids += ids(int(torch.randint(1, 30, (1,), generator=gen)))
+            elif step % 4 == 0:                         # sometimes most rows at once: over every row
+                r.ids += ids(2 + k)
+        batch.feed()
+        check()
+        if step == 20:
+            batch.drop(live[:2])
+            batch.admit([Row(task, ids(20)), Row(task, ids(5))])
+    assert batch.compactions >= 1 and batch.forward_calls > 2 * 40
+    parent = next(r for r in batch.rows if r.slot >= 0)  # a parent that ends in the step its lent child ends
+    child = parent.fork(3, 0, "private")
+    batch.lend(parent, child)
+    batch.rows.append(child)
+    held = batch.held
+    batch.drop([parent, child])                         # frees the row it got back, once
+    assert batch.held == held - 1 and all(0 <= s < batch.slots for s in batch.free)
+    assert len(set(batch.free)) == len(batch.free)
+    batch.admit([Row(task, ids(8))])
+    check()
+
+
+def test_length_groups_cover_every_feed_once_longest_first():
+    from rollout import length_groups
+    lengths = [5, 100, 90, 6, 40, 1, 95]
+    groups = length_groups(lengths)
+    assert sorted(k for g in groups for k in g) == list(range(len(lengths)))
+    order = [lengths[k] for g in groups for k in g]
+    assert order == sorted(order, reverse=True) and len(groups) > 1
+    assert length_groups([]) == [] and length_groups([3, 3, 3]) == [[0, 1, 2]]
+
+
+def test_top_p_cut_keeps_what_a_full_sort_keeps():
+    from rollout import top_p_cut
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.tensor([5.0, 0.1, 3.0, 1.0, 8.0, 0.01])[:, None]
+    probs = torch.softmax(torch.randn(6, 300, generator=gen) * scale, -1)
+    for top_p in (0.5, 0.95, 0.999):
+        s, order = probs.sort(dim=-1, descending=True)
+        want = torch.zeros_like(probs).scatter(-1, order, s.masked_fill(s.cumsum(-1) - s > top_p, 0.0))
+        got = top_p_cut(probs, top_p, head=16)   # some rows' heads are longer than 16: sorted whole
+        assert torch.equal(got, want)
+        assert all(torch.equal(top_p_cut(probs[k:k + 1], top_p, head=16)[0], got[k]) for k in range(6))
