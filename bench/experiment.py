@@ -499,8 +499,8 @@ SUCCESS_NOTE = ("Mean ± sample std over seeds (one value: one seed). B = privat
                 "turn, B proposals at once (parallel); seq B=2: two in sequence, the second seeing the first's "
                 "memory. The warm start is evaluated once.")
 HELD_OUT_FIDELITY_NOTE = ("Every real call is also rehearsed by the evaluated checkpoint in a discarded fork and "
-                          "compared with the real response (per-role: the evaluated checkpoint is the actor, so "
-                          "this is the actor's own world model, not the trained simulator's).")
+                          "compared with the real response (per-role: by its trained world model, which evaluate.py "
+                          "takes from the checkpoint's world_model/ folder).")
 TRAINING_FIDELITY_NOTE = ("Exact fidelity of the responses written during training, weighted by calls, mean over "
                           "seeds. The warm start gave get_price no world supervision: does its fidelity rise when "
                           "the world role is trained (envace, per-role) and stay flat when it is not? Note: under "
