@@ -36,6 +36,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm-start", required=True)
     ap.add_argument("--steps", type=int, default=200, help="continued warm-start steps per arm")
+    ap.add_argument("--rehearsal-frac", type=float, default=0.25, help="share of rehearsal-format examples (the "
+                    "tiny default; a checkpoint folder would otherwise get 0, and the flag would change nothing)")
     ap.add_argument("--budget", type=int, default=2)
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -54,7 +56,7 @@ def main(argv=None):
         out = runs / memory
         train_cmd = ["train.py", "--model", args.warm_start, "--out", str(out), "--overwrite", "--seed",
                      str(args.seed), "--sft-steps", str(args.steps), "--steps", "0", "--save-every",
-                     str(args.steps), "--sft-memory", memory]
+                     str(args.steps), "--sft-memory", memory, "--sft-rehearsal-frac", str(args.rehearsal_frac)]
         t_train = run(train_cmd, runs / f"{memory}.train.log")
         ckpt = out / (out / "latest").read_text().strip()
         eval_cmd = ["evaluate.py", "--model", str(ckpt), "--limit", str(args.limit), "--seed", str(args.seed),
