@@ -992,7 +992,7 @@ def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     batch_tasks = pick.sample(t.tasks, min(cfg.sft_batch, len(t.tasks)))[d.rank::d.world_size]
     # self memory generates with the model: unsharded once under FSDP, as for a rollout
     with (gathered_for_generation(t.model) if cfg.sft_memory == "self" and d.world_size > 1
-          else torch.autocast("cpu", enabled=False)), autocast(d):
+          else contextlib.nullcontext()), autocast(d):
         seqs = [sft_sequence(t.engine, t.bench, task, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac,
                              t.world_skip, cfg.sft_memory, t.sampling) for task in batch_tasks]
     t.model.train()
