@@ -342,7 +342,8 @@ def _same_calls(a: list[dict], b: list[dict]) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _execute(env, name: str, arguments: dict) -> str:
+def replay_call(env, name: str, arguments: dict) -> str:
+    """One call executed verifier-side on a replayed environment (the trajectory's arguments are not shared)."""
     try:
         return str(env.step(name, copy.deepcopy(arguments)))
     except Exception as exc:     # as the engine does: an environment that raises answers with an error
@@ -364,7 +365,7 @@ def _replayed_env(make_env, task, traj, turn: int):
         seen = traj.observations[i] if i < len(traj.observations) else None
         if seen is None or (i < len(traj.rehearsed) and traj.rehearsed[i]):
             continue             # never executed in the episode (the row ended first), or rehearsed
-        if _execute(env, call.name, call.arguments) != seen:
+        if replay_call(env, call.name, call.arguments) != seen:
             return None
     return env
 
@@ -404,7 +405,7 @@ def real_outcome(calls: list[dict], cut_off: bool, new_env, remaining_gold: list
     env = new_env()
     if env is None:
         return "unmeasured", []
-    responses = [_execute(env, c["name"], c["arguments"]) for c in calls]
+    responses = [replay_call(env, c["name"], c["arguments"]) for c in calls]
     if any(is_error_text(r) for r in responses):
         return "error", responses
     if remaining_gold is None:

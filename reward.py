@@ -109,11 +109,11 @@ def rehearsal_fidelity(bench: str, task: Task, traj: Trajectory) -> list[tuple[s
     Verifier logic, run after the rollout: the trajectory's calls are replayed in order on a fresh real
     environment (so each real response sees the state the earlier calls left) and each rehearsed response
     is compared with the real response of the same call. Nothing here reaches the policy."""
-    from rehearse import fidelity
+    from rehearse import fidelity, replay_call
     env = load_bench(bench).make_env(task)
     pairs = []
     for i, call in enumerate(traj.calls):
-        real = str(env.step(call.name, call.arguments))
+        real = replay_call(env, call.name, call.arguments)
         if i < len(traj.rehearsed) and traj.rehearsed[i] and i < len(traj.observations):
             pairs.append((call.name, fidelity(traj.observations[i], real)))
     return pairs
