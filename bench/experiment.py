@@ -336,6 +336,29 @@ def held_out_fidelity_table(groups: dict) -> list[str]:
     return lines
 
 
+def diagnostics_table(groups: dict) -> list[str]:
+    """Item 6 per arm and budget, counts summed over the arm's seeds (rates are of the pooled counts)."""
+    lines = ["| arm | budget | seeds | rehearsed turns | committed call changed | helped | hurt | neutral "
+             "| assessment agrees with the real outcome |", "|---" * 9 + "|"]
+    for arm, pieces in groups.items():
+        for label in BUDGET_LABELS[1:]:
+            found = [p["rehearsal_diagnostics"][label] for p in pieces
+                     if label in p.get("rehearsal_diagnostics", {})]
+            if not found:
+                continue
+            total = {key: sum(d.get(key, 0) for d in found) for key in
+                     ("rehearsed_turns", "changed", "helped", "hurt", "neutral", "assess_agree",
+                      "assess_disagree")}
+            changed = total["changed"] / total["rehearsed_turns"] if total["rehearsed_turns"] else None
+            judged = total["assess_agree"] + total["assess_disagree"]       # verdicts parsed and measured
+            agree = total["assess_agree"] / judged if judged else None
+            lines.append(f"| {arm} | {label} | {len(found)} | {total['rehearsed_turns']} | "
+                         f"{'-' if changed is None else f'{changed:.0%}'} ({total['changed']}) | {total['helped']} | "
+                         f"{total['hurt']} | {total['neutral']} | "
+                         f"{'-' if agree is None else f'{agree:.0%}'} ({total['assess_agree']} of {judged}) |")
+    return lines
+
+
 def window_fidelity(curve: list[dict], tool: str, last: bool) -> float | None:
     """Exact fidelity of `tool` over the first (or last) WINDOW training steps, weighted by its calls."""
     window = curve[-WINDOW:] if last else curve[:WINDOW]
@@ -508,6 +531,13 @@ TRAINING_FIDELITY_NOTE = ("Exact fidelity of the responses written during traini
                           "row only moves with the calls the actor makes. real has no rehearsed responses.")
 
 
+DIAGNOSTICS_NOTE = ("Rehearsed turns are turns where the agent rehearsed before committing; the committed call "
+                    "changed when it differs from the first proposal, and helped / hurt compares the real outcome "
+                    "of the committed call with that of the first proposal (both replayed by the verifier on a "
+                    "fresh copy of the environment). Agreement: the self-assessment's verdict on a proposal against "
+                    "that proposal's real outcome. Counts summed over seeds.")
+
+
 def write_report(results: Path, plots: bool = True) -> Path:
     groups = load_pieces(results)
     lines = report_header(groups)
@@ -516,6 +546,9 @@ def write_report(results: Path, plots: bool = True) -> Path:
               *held_out_fidelity_table(groups), "",
               f"## Training-time fidelity: first {WINDOW} → last {WINDOW} GRPO steps", "", TRAINING_FIDELITY_NOTE, "",
               *training_fidelity_table(groups), "", mechanism_sentence(groups), ""]
+    diagnostics = diagnostics_table(groups)
+    if len(diagnostics) > 2:
+        lines += ["## Test-time rehearsal diagnosed", "", DIAGNOSTICS_NOTE, "", *diagnostics, ""]
     written = write_plots(groups, results) if plots else []
     if written is None:
         print("plots skipped: matplotlib is not installed (pip install -r requirements-plot.txt)")

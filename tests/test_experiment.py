@@ -80,6 +80,27 @@ def test_ordering_sentence_does_not_hold_and_missing_arm(tmp_path):
     assert experiment.ordering_sentence(groups).endswith("cannot be checked (frozen-sim missing).")
 
 
+def test_diagnostics_table_pools_the_seeds_counts(tmp_path):
+    write_pieces(tmp_path, {"frozen-sim": [0.1], "envace": [0.3, 0.5]})
+    assert "## Test-time rehearsal diagnosed" not in experiment.write_report(tmp_path, plots=False).read_text()
+    counts = [{"rehearsed_turns": 10, "changed": 4, "helped": 1, "hurt": 2, "neutral": 1, "assess_agree": 6,
+               "assess_disagree": 2, "assess_unmeasured": 5},
+              {"rehearsed_turns": 30, "changed": 6, "helped": 3, "hurt": 0, "neutral": 3, "assess_agree": 9,
+               "assess_disagree": 3}]
+    for seed, c in enumerate(counts):
+        path = tmp_path / f"envace-s{seed}.json"
+        p = json.loads(path.read_text())
+        p["rehearsal_diagnostics"] = {"B=2": c} if seed else {"B=2": c, "seq B=2": c}
+        path.write_text(json.dumps(p))
+    text = experiment.write_report(tmp_path, plots=False).read_text().split("## Test-time rehearsal diagnosed")[1]
+    rows = [ln for ln in text.splitlines() if ln.startswith("| envace |")]
+    # B=2: 10 of 40 turns changed, agreement 15 of 20 (unmeasured assessments left out); seq B=2: seed 0 only
+    assert [c.strip() for c in rows[0].strip("|").split("|")] == [
+        "envace", "B=2", "2", "40", "25% (10)", "4", "2", "4", "75% (15 of 20)"]
+    assert [c.strip() for c in rows[1].strip("|").split("|")][1:5] == ["seq B=2", "1", "10", "40% (4)"]
+    assert not [ln for ln in text.splitlines() if ln.startswith("| frozen-sim |")]
+
+
 def test_training_fidelity_window_is_weighted_by_calls():
     points = [{"fidelity_exact/buy": 1.0, "fidelity_n/buy": 3}, {"fidelity_exact/buy": 0.0, "fidelity_n/buy": 1}]
     assert experiment.window_fidelity(points, "buy", last=False) == pytest.approx(0.75)
