@@ -235,6 +235,7 @@ class TrainConfig:
     sft_memory: str = "real"         # their memory lines hold: real (real responses) | self (the model's own
                                      # rehearsed responses, sampled as in the rollouts; rehearse.warm_start_examples)
     sft_world_frac: float = 0.0      # share of warm-start sequences that are world examples (toy world only)
+    sft_world_lookup: float = 0.0    # share of world-example calls that are valid lookups (the rest random)
     sft_world_skip: str = ""         # comma list of tools whose responses get no warm-start loss (mechanism test)
     beta2: float = 0.95              # AdamW beta2 (0.95: the usual LM choice; tiny-model SFT learns ~2x faster)
     sft_roles: str = "act,world"
@@ -354,6 +355,8 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-memory must be real or self, not {cfg.sft_memory!r}")
     if not 0 <= cfg.sft_world_frac <= 1:   # also refuses nan
         raise ConfigError(f"--sft-world-frac must be in [0, 1], got {cfg.sft_world_frac}")
+    if not 0 <= cfg.sft_world_lookup <= 1:
+        raise ConfigError(f"--sft-world-lookup must be in [0, 1], got {cfg.sft_world_lookup}")
     if cfg.sft_world_frac > 0 and not hasattr(load_bench(cfg.bench), "world_examples"):
         raise ConfigError(f"--sft-world-frac needs a benchmark that generates world examples (toyworld); "
                           f"{cfg.bench!r} has none")
@@ -586,9 +589,10 @@ def without_world_loss(engine, task, ids: list[int], roles: list[int], tools: fr
 
 
 def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random, world_frac: float = 0.0,
-                 world_skip: frozenset = frozenset(), memory: str = "real", sampling=None):
+                 world_skip: frozenset = frozenset(), memory: str = "real", sampling=None, world_lookup: float = 0.0):
     """(ids, roles) of one warm-start sequence: with probability world_frac a world example
-    (bench.world_examples: random valid and invalid calls with their real responses), else the reference
+    (bench.world_examples: random valid and invalid calls with their real responses, a world_lookup share of
+    them valid lookups), else the reference
     chat, or with probability rehearsal_frac one of rehearse.warm_start_examples (an assessment or a
     memory-prefixed turn, its memory lines from `memory`, "self" sampled with `sampling`) built from it.
     Responses of the tools in world_skip carry no loss."""
@@ -596,7 +600,9 @@ def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random,
     import rollout
     seq, world_example = None, world_frac > 0 and rng.random() < world_frac
     if world_example:
-        messages = bench.world_examples(task, rng, rng.randint(1, WORLD_EXAMPLE_MAX_CALLS))
+        n_calls = rng.randint(1, WORLD_EXAMPLE_MAX_CALLS)
+        messages = bench.world_examples(task, rng, n_calls, lookup_frac=world_lookup) if world_lookup else \
+            bench.world_examples(task, rng, n_calls)
     else:
         messages = bench.reference_trajectory(task)
         if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
@@ -994,7 +1000,7 @@ def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     with (gathered_for_generation(t.model) if cfg.sft_memory == "self" and d.world_size > 1
           else contextlib.nullcontext()), autocast(d):
         seqs = [sft_sequence(t.engine, t.bench, task, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac,
-                             t.world_skip, cfg.sft_memory, t.sampling) for task in batch_tasks]
+                             t.world_skip, cfg.sft_memory, t.sampling, cfg.sft_world_lookup) for task in batch_tasks]
     t.model.train()
     loss, n_tok = sft_loss(t.model, seqs, t.sft_roles, d, t.engine.tok.pad_token_id, cfg.chunk_size)
     norm, ok = optimizer_step(t.model, t.optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)

@@ -52,7 +52,8 @@ def probe_fidelity(checkpoint: str, tasks, kind: str, seed: int) -> dict:
     call of a fixed chat (kind "gold": the reference chat; "random": toyworld.world_examples, valid and
     invalid calls) is given with the real responses before it, and the policy writes that call's response
     greedily, up to the closing tag; compared with the real one (rehearse.fidelity). Per tool, and split by
-    whether the real response is an error."""
+    whether the real response is an error; and for get_balance calls with a real value, exact beside the chance
+of naming one of the prompt's balances at random (balance_chance)."""
     import random
 
     import torch
@@ -64,7 +65,7 @@ def probe_fidelity(checkpoint: str, tasks, kind: str, seed: int) -> dict:
     from rehearse import fidelity
     model, tok = policy.load_policy(checkpoint)
     eng = rollout.Engine(model.eval(), tok)
-    fmt, pairs = eng.fmt, []
+    fmt, pairs, balance_values = eng.fmt, [], []
     for i, task in enumerate(tasks):
         chat = toyworld.reference_trajectory(task)[:-1] if kind == "gold" else \
             toyworld.world_examples(task, random.Random(seed * 100_003 + i), 3)
@@ -80,10 +81,23 @@ def probe_fidelity(checkpoint: str, tasks, kind: str, seed: int) -> dict:
             terminated = fmt.world_stop in text
             text = text[:text.index(fmt.world_stop) + len(fmt.world_stop)] if terminated else text
             call = chat[k - 1]["tool_calls"][0]["function"]["name"]
-            pairs.append((call, fidelity(fmt.rehearsed_text(text, terminated), m["content"])))
+            f = fidelity(fmt.rehearsed_text(text, terminated), m["content"])
+            pairs.append((call, f))
+            if call == "get_balance" and not f["real_error"]:
+                balance_values.append((f["exact"], balance_chance(task, m["content"])))
     by_outcome = [("real error" if f["real_error"] else "real value", f) for _, f in pairs]
     return {"by_tool": reward.fidelity_by_tool(reward.fidelity_sums(pairs)),
-            "by_real_outcome": reward.fidelity_by_tool(reward.fidelity_sums(by_outcome))}
+            "by_real_outcome": reward.fidelity_by_tool(reward.fidelity_sums(by_outcome)),
+            "get_balance_value": {"calls": len(balance_values),
+                                  "exact": sum(e for e, _ in balance_values) / max(1, len(balance_values)),
+                                  "chance": sum(c for _, c in balance_values) / max(1, len(balance_values))}}
+
+
+def balance_chance(task, real: str) -> float:
+    """How often naming one of the prompt's balances at random gets a get_balance value right: the share of
+    the task's starting balances equal to the real one (after a transfer it can be 0)."""
+    balances = list(task.metadata["world"]["balances"].values())
+    return sum(b == json.loads(real)["balance"] for b in balances) / len(balances)
 
 
 def measure(ckpt: Path, out: Path, probe_tasks, args) -> dict:

@@ -254,3 +254,14 @@ def test_per_role_checkpoints_are_evaluated_with_their_world_model(tmp_path):
     cmd = experiment.eval_command("B=2", str(ckpt), 0, tmp_path / "o", 8)
     assert cmd[cmd.index("--world-model") + 1].endswith("ck/world_model") and "--no-fidelity" in cmd
     assert "--world-model" not in experiment.eval_command("B=0", str(tmp_path), 0, tmp_path / "o", 8)
+
+
+def test_balance_chance_is_the_share_of_starting_balances_equal_to_the_real_one():
+    from bench import toyworld
+    from bench.warm_start_world import balance_chance
+    task = toyworld.load_tasks("train", limit=2, seed=0)[1]
+    balances = task.metadata["world"]["balances"]   # bob 2, ned 4, oli 17
+    name = next(iter(balances))
+    same = sum(v == balances[name] for v in balances.values())
+    assert balance_chance(task, toyworld.make_env(task).step("get_balance", {"account": name})) == same / len(balances)
+    assert balance_chance(task, '{"balance": 999}') == 0.0   # a value no account started with

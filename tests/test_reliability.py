@@ -650,7 +650,7 @@ TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfi
     (["--reward", "judge"], "--reward must be"), (["--reward", "checklist", "--bench", "finmcp"], "no rule-based checklist"),
     (["--sft-world-frac", "1.5"], "--sft-world-frac"), (["--sft-world-frac", "nan"], "--sft-world-frac"),
     (["--sft-world-frac", "0.5", "--bench", "tau2"], "world examples"), (["--sft-world-skip", "get_price,"], "--sft-world-skip"),
-    (["--sft-world-skip", "get_prize"], "names no tool"),
+    (["--sft-world-skip", "get_prize"], "names no tool"), (["--sft-world-lookup", "-0.1"], "--sft-world-lookup"),
     (["--no-such-flag"], "unrecognized"),
 ]
 

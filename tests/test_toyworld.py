@@ -421,6 +421,27 @@ def test_world_examples_replay_on_the_env_and_cover_valid_and_invalid_calls(trai
         tw.world_examples(train[0], random.Random(0), 0)
 
 
+def test_world_example_lookups_are_valid_real_lookups_and_off_by_default(train):
+    lookups = other = 0
+    for i, task in enumerate(train[:100]):
+        assert tw.world_examples(task, random.Random(i), 3) == \
+            tw.world_examples(task, random.Random(i), 3, lookup_frac=0.0)   # the old stream, unchanged
+        msgs = tw.world_examples(task, random.Random(i), 4, lookup_frac=1.0)
+        turns = msgs[len(task.messages):]
+        env = tw.make_env(task)
+        for call_msg, tool_msg in zip(turns[::2], turns[1::2]):
+            f = call_msg["tool_calls"][0]["function"]
+            assert f["name"] in tw.LOOKUP_TOOLS and tool_msg["content"] == env.step(f["name"], f["arguments"])
+            assert "error" not in json.loads(tool_msg["content"])
+        for m in tw.world_examples(task, random.Random(i), 4, lookup_frac=0.5)[len(task.messages)::2]:
+            f = m["tool_calls"][0]["function"]
+            lookups += f["name"] in tw.LOOKUP_TOOLS
+            other += f["name"] not in tw.LOOKUP_TOOLS
+    assert other > 0 and lookups > 2 * other   # half lookups, plus the random calls' own lookups
+    with pytest.raises(ValueError, match="lookup_frac"):
+        tw.world_examples(train[0], random.Random(0), 2, lookup_frac=1.5)
+
+
 # ----------------------------------------------------------------------------- checklist (--reward checklist)
 
 def test_checklist_items_are_checked_against_ground_truth(train):
