@@ -3,6 +3,7 @@
     python bench/warm_start_world.py --sft-steps 300                       # the three arms below, seed 0
     python bench/warm_start_world.py --sft-steps 300 --arms plain,world
     python bench/warm_start_world.py --curve runs/ws-skip-price     # every checkpoint of one warm start
+    python bench/warm_start_world.py --lookup runs/ws/ckpt/step_001000   # only: does it read the call's argument?
 
 Each arm is one `train.py --steps 0` warm start (same seed, so the same task draws), then `evaluate.py`
 on held-out test tasks with the fidelity probe on (every real call is also rehearsed in a discarded fork and
@@ -93,6 +94,45 @@ of naming one of the prompt's balances at random (balance_chance)."""
                                   "chance": sum(c for _, c in balance_values) / max(1, len(balance_values))}}
 
 
+def balance_lookup(checkpoint: str, tasks) -> dict:
+    """Does the world model read the call's argument? For each task, get_balance of every account in the
+    prompt, right after the task's opening messages (nothing has moved yet: the answer stands in the prompt),
+    written greedily. exact: share right; chance: 1/accounts on average; argument_blind: share of tasks where
+    every account got the same predicted balance (the argument was ignored); rows: per task, account, real,
+    predicted."""
+    import torch
+
+    import policy
+    import rollout
+    model, tok = policy.load_policy(checkpoint)
+    eng = rollout.Engine(model.eval(), tok)
+    fmt, rows = eng.fmt, []
+    for task in tasks:
+        row = []
+        for account, real in task.metadata["world"]["balances"].items():
+            call = {"type": "function", "function": {"name": "get_balance", "arguments": {"account": account}}}
+            ids, _ = rollout.encode_conversation(eng, task, [*task.messages,
+                                                             {"role": "assistant", "content": "", "tool_calls": [call]}])
+            ids += fmt.encode([(fmt.after_eos + fmt.tool_open, "prompt", True)])[0]
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+            text = tok.decode(out[0, len(ids):], skip_special_tokens=False)
+            text = text.split(fmt.world_stop)[0]
+            try:
+                predicted = json.loads(text.strip()).get("balance")
+            except (ValueError, AttributeError):
+                predicted = None
+            row.append({"account": account, "real": real, "predicted": predicted})
+        rows.append(row)
+    cells = [c for row in rows for c in row]
+    return {"tasks": len(rows), "calls": len(cells),
+            "exact": sum(c["predicted"] == c["real"] for c in cells) / len(cells),
+            "chance": sum(1 / len(row) for row in rows for _ in row) / len(cells),
+            "argument_blind": sum(len({c["predicted"] for c in row}) == 1 for row in rows) / len(rows),
+            "rows": rows}
+
+
 def balance_chance(task, real: str) -> float:
     """How often naming one of the prompt's balances at random gets a get_balance value right: the share of
     the task's starting balances equal to the real one (after a transfer it can be 0)."""
@@ -111,7 +151,8 @@ def measure(ckpt: Path, out: Path, probe_tasks, args) -> dict:
     return {"eval_command": " ".join(eval_cmd[1:]), "eval_seconds": round(t_eval, 1),
             "host": f"{platform.machine()}, 2 cores of a shared host, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
             "success_B0": b0["overall"]["success"], "fidelity": b0.get("fidelity"), "fidelity_by_tool": per_tool(trajs),
-            "probe_fidelity": {k: probe_fidelity(str(ckpt), probe_tasks, k, args.seed) for k in ("gold", "random")}}
+            "probe_fidelity": {k: probe_fidelity(str(ckpt), probe_tasks, k, args.seed) for k in ("gold", "random")},
+            "balance_lookup": balance_lookup(str(ckpt), probe_tasks)}
 
 
 def curve(run_dir: Path, probe_tasks, args):
@@ -143,7 +184,20 @@ def main(argv=None):
     ap.add_argument("--probe-only", action="store_true",
                     help="skip training and evaluation; add the fixed-call probes to the arms' existing results")
     ap.add_argument("--curve", default="", help="measure every checkpoint of this warm-start run folder instead")
+    ap.add_argument("--lookup", nargs="+", default=[], metavar="CHECKPOINT",
+                    help="only the balance-lookup probe (balance_lookup) of these checkpoints, one JSON each")
     args = ap.parse_args(argv)
+    if args.lookup:
+        from bench import toyworld
+        tasks = toyworld.load_tasks("test", limit=args.limit)
+        Path(args.results).mkdir(parents=True, exist_ok=True)
+        for ckpt in args.lookup:
+            result = {"checkpoint": ckpt, "tasks_split": "test", **balance_lookup(ckpt, tasks)}
+            name = "lookup-" + "-".join(Path(ckpt).parts[-3:]).replace("/", "-")
+            (Path(args.results) / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(f"{ckpt}: get_balance exact {result['exact']:.2f} (chance {result['chance']:.2f}), "
+                  f"argument-blind on {result['argument_blind']:.0%} of {result['tasks']} tasks", flush=True)
+        return
     if args.curve:
         from bench import toyworld
         Path(args.results).mkdir(parents=True, exist_ok=True)

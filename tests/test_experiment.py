@@ -265,3 +265,41 @@ def test_balance_chance_is_the_share_of_starting_balances_equal_to_the_real_one(
     same = sum(v == balances[name] for v in balances.values())
     assert balance_chance(task, toyworld.make_env(task).step("get_balance", {"account": name})) == same / len(balances)
     assert balance_chance(task, '{"balance": 999}') == 0.0   # a value no account started with
+
+
+@pytest.mark.parametrize("reads_argument", [True, False])
+def test_balance_lookup_scores_a_model_that_reads_the_argument_and_one_that_ignores_it(reads_argument, micro_path,
+                                                                                        monkeypatch):
+    """A stand-in model answers get_balance from the prompt: by the call's account, or always the first one."""
+    import re
+
+    import torch
+
+    import policy
+    from bench import toyworld
+    from bench import warm_start_world as wsw
+    model, tok = policy.load_policy(str(micro_path))
+    tasks = toyworld.load_tasks("test", limit=4)
+
+    def generate(input_ids, max_new_tokens, **_):
+        text = tok.decode(input_ids[0])
+        task = next(t for t in tasks if t.messages[0]["content"] in text)
+        balances = task.metadata["world"]["balances"]
+        account = re.findall(r'"account": "(\w+)"', text)[-1] if reads_argument else next(iter(balances))
+        answer = tok(f'{{"balance": {balances[account]}}}\n</tool_response>', add_special_tokens=False)["input_ids"]
+        return torch.cat([input_ids, torch.tensor([answer])], dim=1)
+
+    monkeypatch.setattr(model, "generate", generate)
+    monkeypatch.setattr(policy, "load_policy", lambda path: (model, tok))
+    result = wsw.balance_lookup("stand-in", tasks)
+    n_accounts = [len(t.metadata["world"]["balances"]) for t in tasks]
+    assert result["calls"] == sum(n_accounts) and result["tasks"] == 4
+    assert result["chance"] == pytest.approx(len(tasks) / sum(n_accounts))
+    assert [[c["account"] for c in row] for row in result["rows"]] == \
+        [list(t.metadata["world"]["balances"]) for t in tasks]
+    if reads_argument:
+        assert result["exact"] == 1.0 and result["argument_blind"] == 0.0
+    else:
+        assert result["argument_blind"] == 1.0
+        assert result["exact"] == pytest.approx(sum(sum(c["real"] == row[0]["real"] for c in row)
+                                                    for row in result["rows"]) / result["calls"])
