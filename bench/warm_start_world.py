@@ -94,43 +94,51 @@ of naming one of the prompt's balances at random (balance_chance)."""
                                   "chance": sum(c for _, c in balance_values) / max(1, len(balance_values))}}
 
 
-def balance_lookup(checkpoint: str, tasks) -> dict:
-    """Does the world model read the call's argument? For each task, get_balance of every account in the
-    prompt, right after the task's opening messages (nothing has moved yet: the answer stands in the prompt),
-    written greedily. exact: share right; chance: 1/accounts on average; argument_blind: share of tasks where
-    every account got the same predicted balance (the argument was ignored); rows: per task, account, real,
-    predicted."""
+# per lookup tool: where the task keeps the answers, the call's argument, the response key holding the answer
+LOOKUPS = {"get_balance": ("balances", "account", "balance"), "get_price": ("prices", "item", "price")}
+
+
+def lookup_probe(checkpoint: str, tasks, tools=tuple(LOOKUPS)) -> dict:
+    """Does the world model read the call's argument? For each task and lookup tool, a call for every account
+    (get_balance) or shop item (get_price) in the prompt, right after the task's opening messages (nothing has
+    moved yet: the answer stands in the prompt), its response written greedily. Per tool: exact (the answer
+    value right), chance (1/entries on average), argument_blind (of the tasks whose real answers differ, the
+    share where every entry got the same answer: the argument was ignored), rows (per task: argument, real, predicted)."""
     import torch
 
     import policy
     import rollout
     model, tok = policy.load_policy(checkpoint)
     eng = rollout.Engine(model.eval(), tok)
-    fmt, rows = eng.fmt, []
-    for task in tasks:
-        row = []
-        for account, real in task.metadata["world"]["balances"].items():
-            call = {"type": "function", "function": {"name": "get_balance", "arguments": {"account": account}}}
-            ids, _ = rollout.encode_conversation(eng, task, [*task.messages,
-                                                             {"role": "assistant", "content": "", "tool_calls": [call]}])
-            ids += fmt.encode([(fmt.after_eos + fmt.tool_open, "prompt", True)])[0]
-            with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
-            text = tok.decode(out[0, len(ids):], skip_special_tokens=False)
-            text = text.split(fmt.world_stop)[0]
-            try:
-                predicted = json.loads(text.strip()).get("balance")
-            except (ValueError, AttributeError):
-                predicted = None
-            row.append({"account": account, "real": real, "predicted": predicted})
-        rows.append(row)
-    cells = [c for row in rows for c in row]
-    return {"tasks": len(rows), "calls": len(cells),
-            "exact": sum(c["predicted"] == c["real"] for c in cells) / len(cells),
-            "chance": sum(1 / len(row) for row in rows for _ in row) / len(cells),
-            "argument_blind": sum(len({c["predicted"] for c in row}) == 1 for row in rows) / len(rows),
-            "rows": rows}
+    fmt, result = eng.fmt, {}
+    for tool in tools:
+        table, arg, key = LOOKUPS[tool]
+        rows = []
+        for task in tasks:
+            row = []
+            for name, real in task.metadata["world"][table].items():
+                call = {"type": "function", "function": {"name": tool, "arguments": {arg: name}}}
+                ids, _ = rollout.encode_conversation(eng, task, [*task.messages, {"role": "assistant", "content": "",
+                                                                                  "tool_calls": [call]}])
+                ids += fmt.encode([(fmt.after_eos + fmt.tool_open, "prompt", True)])[0]
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+                text = tok.decode(out[0, len(ids):], skip_special_tokens=False).split(fmt.world_stop)[0]
+                try:
+                    predicted = json.loads(text.strip()).get(key)
+                except (ValueError, AttributeError):
+                    predicted = None
+                row.append({"argument": name, "real": real, "predicted": predicted})
+            rows.append(row)
+        cells = [c for row in rows for c in row]
+        telling = [row for row in rows if len({c["real"] for c in row}) > 1] or [[]]   # answers differ
+        result[tool] = {"tasks": len(rows), "calls": len(cells),
+                        "exact": sum(c["predicted"] == c["real"] for c in cells) / len(cells),
+                        "chance": sum(1 / len(row) for row in rows for _ in row) / len(cells),
+                        "argument_blind": sum(len({c["predicted"] for c in row}) == 1 for row in telling) / len(telling),
+                        "telling_tasks": len(telling), "rows": rows}
+    return result
 
 
 def balance_chance(task, real: str) -> float:
@@ -152,7 +160,7 @@ def measure(ckpt: Path, out: Path, probe_tasks, args) -> dict:
             "host": f"{platform.machine()}, 2 cores of a shared host, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
             "success_B0": b0["overall"]["success"], "fidelity": b0.get("fidelity"), "fidelity_by_tool": per_tool(trajs),
             "probe_fidelity": {k: probe_fidelity(str(ckpt), probe_tasks, k, args.seed) for k in ("gold", "random")},
-            "balance_lookup": balance_lookup(str(ckpt), probe_tasks)}
+            "lookup": lookup_probe(str(ckpt), probe_tasks)}
 
 
 def curve(run_dir: Path, probe_tasks, args):
@@ -185,18 +193,19 @@ def main(argv=None):
                     help="skip training and evaluation; add the fixed-call probes to the arms' existing results")
     ap.add_argument("--curve", default="", help="measure every checkpoint of this warm-start run folder instead")
     ap.add_argument("--lookup", nargs="+", default=[], metavar="CHECKPOINT",
-                    help="only the balance-lookup probe (balance_lookup) of these checkpoints, one JSON each")
+                    help="only the lookup probe (lookup_probe: get_balance, get_price) of these checkpoints, one JSON each")
     args = ap.parse_args(argv)
     if args.lookup:
         from bench import toyworld
         tasks = toyworld.load_tasks("test", limit=args.limit)
         Path(args.results).mkdir(parents=True, exist_ok=True)
         for ckpt in args.lookup:
-            result = {"checkpoint": ckpt, "tasks_split": "test", **balance_lookup(ckpt, tasks)}
+            result = {"checkpoint": ckpt, "tasks_split": "test", **lookup_probe(ckpt, tasks)}
             name = "lookup-" + "-".join(Path(ckpt).parts[-3:]).replace("/", "-")
             (Path(args.results) / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-            print(f"{ckpt}: get_balance exact {result['exact']:.2f} (chance {result['chance']:.2f}), "
-                  f"argument-blind on {result['argument_blind']:.0%} of {result['tasks']} tasks", flush=True)
+            print(ckpt + ": " + "; ".join(f"{tool} exact {r['exact']:.2f} (chance {r['chance']:.2f}), argument-blind "
+                                          f"on {r['argument_blind']:.0%} of {r['telling_tasks']} tasks"
+                                          for tool, r in result.items() if tool in LOOKUPS), flush=True)
         return
     if args.curve:
         from bench import toyworld

@@ -268,9 +268,9 @@ def test_balance_chance_is_the_share_of_starting_balances_equal_to_the_real_one(
 
 
 @pytest.mark.parametrize("reads_argument", [True, False])
-def test_balance_lookup_scores_a_model_that_reads_the_argument_and_one_that_ignores_it(reads_argument, micro_path,
-                                                                                        monkeypatch):
-    """A stand-in model answers get_balance from the prompt: by the call's account, or always the first one."""
+def test_lookup_probe_scores_a_model_that_reads_the_argument_and_one_that_ignores_it(reads_argument, micro_path,
+                                                                                      monkeypatch):
+    """A stand-in model answers each lookup from the prompt: by the call's argument, or always the first entry."""
     import re
 
     import torch
@@ -283,23 +283,26 @@ def test_balance_lookup_scores_a_model_that_reads_the_argument_and_one_that_igno
 
     def generate(input_ids, max_new_tokens, **_):
         text = tok.decode(input_ids[0])
-        task = next(t for t in tasks if t.messages[0]["content"] in text)
-        balances = task.metadata["world"]["balances"]
-        account = re.findall(r'"account": "(\w+)"', text)[-1] if reads_argument else next(iter(balances))
-        answer = tok(f'{{"balance": {balances[account]}}}\n</tool_response>', add_special_tokens=False)["input_ids"]
-        return torch.cat([input_ids, torch.tensor([answer])], dim=1)
+        world = next(t for t in tasks if t.messages[0]["content"] in text).metadata["world"]
+        tool, arg = re.findall(r'"name": "(\w+)", "arguments": \{"\w+": "(\w+)"', text)[-1]
+        table, _, key = wsw.LOOKUPS[tool]
+        entry = arg if reads_argument else next(iter(world[table]))
+        answer = f'{{"{key}": {world[table][entry]}}}\n</tool_response>'
+        return torch.cat([input_ids, torch.tensor([tok(answer, add_special_tokens=False)["input_ids"]])], dim=1)
 
     monkeypatch.setattr(model, "generate", generate)
     monkeypatch.setattr(policy, "load_policy", lambda path: (model, tok))
-    result = wsw.balance_lookup("stand-in", tasks)
-    n_accounts = [len(t.metadata["world"]["balances"]) for t in tasks]
-    assert result["calls"] == sum(n_accounts) and result["tasks"] == 4
-    assert result["chance"] == pytest.approx(len(tasks) / sum(n_accounts))
-    assert [[c["account"] for c in row] for row in result["rows"]] == \
-        [list(t.metadata["world"]["balances"]) for t in tasks]
-    if reads_argument:
-        assert result["exact"] == 1.0 and result["argument_blind"] == 0.0
-    else:
-        assert result["argument_blind"] == 1.0
-        assert result["exact"] == pytest.approx(sum(sum(c["real"] == row[0]["real"] for c in row)
-                                                    for row in result["rows"]) / result["calls"])
+    result = wsw.lookup_probe("stand-in", tasks)
+    assert set(result) == {"get_balance", "get_price"}
+    for tool, (table, _, _) in wsw.LOOKUPS.items():
+        r, n = result[tool], [len(t.metadata["world"][table]) for t in tasks]
+        assert r["calls"] == sum(n) and r["tasks"] == 4 and r["chance"] == pytest.approx(len(tasks) / sum(n))
+        # tasks whose entries all hold the same answer cannot tell reading from ignoring: left out of argument_blind
+        assert r["telling_tasks"] == sum(len(set(t.metadata["world"][table].values())) > 1 for t in tasks) > 0
+        assert [[c["argument"] for c in row] for row in r["rows"]] == [list(t.metadata["world"][table]) for t in tasks]
+        if reads_argument:
+            assert r["exact"] == 1.0 and r["argument_blind"] == 0.0
+        else:
+            assert r["argument_blind"] == 1.0
+            assert r["exact"] == pytest.approx(sum(sum(c["real"] == row[0]["real"] for c in row)
+                                                   for row in r["rows"]) / r["calls"])
