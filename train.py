@@ -592,7 +592,7 @@ def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random,
                  world_skip: frozenset = frozenset(), memory: str = "real", sampling=None, world_lookup: float = 0.0):
     """(ids, roles) of one warm-start sequence: with probability world_frac a world example
     (bench.world_examples: random valid and invalid calls with their real responses, a world_lookup share of
-    them valid lookups), else the reference
+    them valid lookups, never of a tool in world_skip), else the reference
     chat, or with probability rehearsal_frac one of rehearse.warm_start_examples (an assessment or a
     memory-prefixed turn, its memory lines from `memory`, "self" sampled with `sampling`) built from it.
     Responses of the tools in world_skip carry no loss."""
@@ -601,8 +601,8 @@ def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random,
     seq, world_example = None, world_frac > 0 and rng.random() < world_frac
     if world_example:
         n_calls = rng.randint(1, WORLD_EXAMPLE_MAX_CALLS)
-        messages = bench.world_examples(task, rng, n_calls, lookup_frac=world_lookup) if world_lookup else \
-            bench.world_examples(task, rng, n_calls)
+        messages = bench.world_examples(task, rng, n_calls, lookup_frac=world_lookup, skip_lookups=world_skip) \
+            if world_lookup else bench.world_examples(task, rng, n_calls)
     else:
         messages = bench.reference_trajectory(task)
         if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
@@ -951,6 +951,10 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
         raise ConfigError(f"--sft-world-skip names no tool of {cfg.bench!r}: "
                           f"{', '.join(sorted(world_skip - known_tools))}; its tools include: "
                           f"{', '.join(sorted(known_tools)[:20])}")
+    lookup_tools = set(getattr(bench, "LOOKUP_TOOLS", ()))
+    if cfg.sft_world_lookup > 0 and lookup_tools and lookup_tools <= world_skip:
+        raise ConfigError(f"--sft-world-lookup {cfg.sft_world_lookup} draws lookups of {', '.join(sorted(lookup_tools))}, "
+                          f"but --sft-world-skip leaves every one without loss: drop one from the skip list")
     # a checkpoint carries its chat template (chat_template.jinja) and variables, so resuming reads them there
     engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
                          template_kwargs(cfg), dtype=torch.float32, device=d.device)   # fails early if unusable

@@ -572,29 +572,39 @@ def _random_call(r: random.Random, env: ToyEnv) -> tuple[str, dict]:
 LOOKUP_TOOLS = ("get_balance", "get_price")   # read the state, change nothing
 
 
-def _lookup_call(r: random.Random, env: ToyEnv) -> tuple[str, dict]:
-    """A valid call of a lookup tool: the balance of a known account or the price of a shop item."""
-    if r.random() < 0.5:
+def _lookup_call(r: random.Random, env: ToyEnv, tools=LOOKUP_TOOLS) -> tuple[str, dict]:
+    """A valid call of a lookup tool in `tools`: the balance of a known account or the price of a shop item."""
+    if len(tools) == 1:
+        tool = tools[0]
+    else:   # both: one draw, the stream of earlier runs
+        tool = "get_balance" if r.random() < 0.5 else "get_price"
+    if tool == "get_balance":
         return "get_balance", {"account": r.choice(list(env.balances))}
     return "get_price", {"item": r.choice(list(env.prices))}
 
 
-def world_examples(task: Task, rng: random.Random, n: int, lookup_frac: float = 0.0) -> list[dict]:
+def world_examples(task: Task, rng: random.Random, n: int, lookup_frac: float = 0.0,
+                   skip_lookups=frozenset()) -> list[dict]:
     """A supervised WORLD example on the task's state: the task's opening messages, then n assistant turns
     with one random call each (`_random_call`: valid and invalid; with probability lookup_frac instead a valid
     lookup, `_lookup_call`, whose answer stands in the prompt or follows from the calls before), each followed
     by its real response from the task's environment (which keeps the state the earlier calls left). Chat
-    messages, as reference_trajectory's; the chat ends with the last tool response."""
+    messages, as reference_trajectory's; the chat ends with the last tool response. Lookups of the tools in
+    skip_lookups are not drawn: their responses get no loss (--sft-world-skip), so they would teach nothing."""
     if n < 1:
         raise ValueError(f"world_examples needs n >= 1 calls, got {n}")
     if not 0 <= lookup_frac <= 1:
         raise ValueError(f"world_examples needs lookup_frac in [0, 1], got {lookup_frac}")
+    lookup_tools = tuple(t for t in LOOKUP_TOOLS if t not in skip_lookups)
+    if lookup_frac > 0 and not lookup_tools:
+        raise ValueError(f"world_examples: lookup_frac {lookup_frac} but every lookup tool is skipped "
+                         f"({', '.join(LOOKUP_TOOLS)})")
     env = make_env(task)
     msgs = [dict(m) for m in task.messages]
     for _ in range(n):
         # the lookup draw only when asked, so lookup_frac=0 keeps the random stream of earlier runs
         lookup = lookup_frac > 0 and rng.random() < lookup_frac
-        name, args = _lookup_call(rng, env) if lookup else _random_call(rng, env)
+        name, args = _lookup_call(rng, env, lookup_tools) if lookup else _random_call(rng, env)
         msgs.append({"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]})
         msgs.append({"role": "tool", "content": env.step(name, args)})

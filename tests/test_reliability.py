@@ -651,6 +651,7 @@ TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfi
     (["--sft-world-frac", "1.5"], "--sft-world-frac"), (["--sft-world-frac", "nan"], "--sft-world-frac"),
     (["--sft-world-frac", "0.5", "--bench", "tau2"], "world examples"), (["--sft-world-skip", "get_price,"], "--sft-world-skip"),
     (["--sft-world-skip", "get_prize"], "names no tool"), (["--sft-world-lookup", "-0.1"], "--sft-world-lookup"),
+    (["--sft-world-lookup", "0.5", "--sft-world-skip", "get_price,get_balance"], "every one without loss"),
     (["--no-such-flag"], "unrecognized"),
 ]
 

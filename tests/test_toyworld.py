@@ -442,6 +442,16 @@ def test_world_example_lookups_are_valid_real_lookups_and_off_by_default(train):
         tw.world_examples(train[0], random.Random(0), 2, lookup_frac=1.5)
 
 
+def test_world_example_lookups_leave_out_skipped_tools(train):
+    for i, task in enumerate(train[:50]):
+        assert tw.world_examples(task, random.Random(i), 4, lookup_frac=0.5) == \
+            tw.world_examples(task, random.Random(i), 4, lookup_frac=0.5, skip_lookups={"buy"})   # same stream
+        msgs = tw.world_examples(task, random.Random(i), 4, lookup_frac=1.0, skip_lookups={"get_price"})
+        assert {m["tool_calls"][0]["function"]["name"] for m in msgs[len(task.messages)::2]} == {"get_balance"}
+    with pytest.raises(ValueError, match="every lookup tool is skipped"):
+        tw.world_examples(train[0], random.Random(0), 2, lookup_frac=0.5, skip_lookups=set(tw.LOOKUP_TOOLS))
+
+
 # ----------------------------------------------------------------------------- checklist (--reward checklist)
 
 def test_checklist_items_are_checked_against_ground_truth(train):

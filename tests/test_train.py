@@ -312,6 +312,11 @@ def test_skipped_tools_responses_carry_no_warm_start_loss(micro_path):
     ids_s, roles_s = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0,
                                         world_skip=frozenset({"get_balance", "get_price", "buy", "transfer"}))
     assert ids_s == ids_w and Role.WORLD not in roles_s
+    # lookups are never drawn for a skipped tool: every world-example call is a get_balance
+    ids_l, _ = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0,
+                                  world_skip=frozenset({"get_price"}), world_lookup=1.0)
+    text = tok.decode(ids_l[len(rollout.encode_conversation(engine, task, task.messages)[0]):])
+    assert "get_balance" in text and "get_price" not in text
 
 
 def test_progress_bar_shows_reward_success_flat_share_and_exact_fidelity_over_the_steps_rehearsals():
