@@ -15,6 +15,7 @@ import rollout
 import train
 from bench import Score
 from rollout import Role
+from tests.launch import torchrun
 from tests.scripted import Script, call_text, run_train
 
 ACT_SCRIPT = [[call_text("get_balance", '{"account": "'), 2, '"}}\n</tool_call>'], ["done ", 2]]
@@ -196,22 +197,13 @@ def test_a_simulator_with_another_vocabulary_is_refused(micro_path, tmp_path):
     assert res.returncode == 2 and "another tokenizer than the policy" in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("mode, port", [("sim", 29571), ("separate", 29572)])
-def test_both_modes_run_under_fsdp_with_two_processes(micro_path, tmp_path, mode, port):
+@pytest.mark.parametrize("mode", ["sim", "separate"])
+def test_both_modes_run_under_fsdp_with_two_processes(micro_path, tmp_path, mode):
     """torchrun, 2 ranks (gloo): scripted GRPO steps on sharded models; the simulator stays frozen, the
     separate world model trains, and the checkpoint holds each rank's optimizer state of both models."""
-    import os
-    import subprocess
-    import sys
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    torchrun = Path(sys.executable).with_name("torchrun")
     out = tmp_path / "seen.json"
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(port),
-                           str(root / "tests" / "fsdp_modes_check.py"), str(micro_path), mode, str(out)],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    torchrun([str(root / "tests" / "fsdp_modes_check.py"), str(micro_path), mode, str(out)], timeout=300)
     seen = json.loads(out.read_text())
     assert all(n > 0 for n in seen["world_tokens"])
     assert seen["other_changed"] == (mode == "separate")

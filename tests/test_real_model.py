@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 import evaluate
 import policy
 import rollout
+from tests.launch import torchrun
 from tests.scripted import alternating_rewards, run_train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,13 +161,7 @@ def test_torchrun_two_processes_run_a_grpo_step(gguf_cache, tmp_path):
     That two processes compute what one does is tests/test_train.py's FSDP check."""
     hf_folder = policy.resolve_model_path(str(GGUF))   # the cached conversion: the subprocesses skip the GGUF
     out = tmp_path / "fsdp"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29541", "train.py",
-                           *train_args(hf_folder, out, ["--tasks-per-step", "2", "--steps", "1"])],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(["train.py", *train_args(hf_folder, out, ["--tasks-per-step", "2", "--steps", "1"])], timeout=600)
     recs = metrics_of(out)
     assert [r["phase"] for r in recs] == ["grpo"]
     assert torch.isfinite(torch.tensor([recs[0]["loss"], recs[0]["grad_norm"]])).all() and recs[0]["rows"] == 4

@@ -11,6 +11,7 @@ import policy
 import rollout
 import train
 from rollout import Role
+from tests.launch import torchrun
 from tests.scripted import run_train, tasks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,11 +153,10 @@ def test_fsdp_two_processes_match_one(micro_path, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     script = str(ROOT / "tests" / "fsdp_check.py")
-    subprocess.run([sys.executable, script, str(micro_path), str(tmp_path / "one.json")], check=True, env=env,
-                   cwd=ROOT, capture_output=True)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", script, str(micro_path),
-                    str(tmp_path / "two.json")], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    one_proc = subprocess.run([sys.executable, script, str(micro_path), str(tmp_path / "one.json")], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert one_proc.returncode == 0, one_proc.stderr[-4000:]
+    torchrun([script, str(micro_path), str(tmp_path / "two.json")], timeout=300)
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
     assert one["losses"] == pytest.approx(two["losses"], abs=1e-6)
     for k in one["params"]:
