@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
-                         ChatFormat, validate_rehearsal)
+                         validate_rehearsal)
 from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, derive_seed,
                      encode_conversation)
 

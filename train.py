@@ -739,7 +739,6 @@ def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfi
     """
     import torch.distributed as dist
 
-    import policy
     name = f"step_{step:06d}"
     final = run / "ckpt" / name
     tmp = run / "ckpt" / f".{name}.tmp"

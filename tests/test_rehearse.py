@@ -141,7 +141,7 @@ def test_crop_and_refeed_leave_an_exact_cache(eng, micro64):
     ep = act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(budget=2), steer=script)
     r = ep.rollout
     n = int(r.lengths[0])
-    ids, roles = r.ids[0, :n], r.roles[0, :n]
+    ids = r.ids[0, :n]
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids[None]).logits[0].double() / cfg.temperature, -1)
     logp = logp[:-1].gather(-1, ids[1:, None])[:, 0]

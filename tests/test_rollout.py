@@ -4,7 +4,6 @@ import json
 import pytest
 import torch
 
-import policy
 import rollout
 from chat_format import TemplateError, derive_chat_format, parse_turn
 from rollout import Engine, Role, SamplingConfig

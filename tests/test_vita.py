@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from bench import BenchUnavailable, ToolCall, Trajectory
+from bench import BenchUnavailable, Trajectory
 from bench import vita
 
 if not vita.DEFAULT_DATA.is_dir():
