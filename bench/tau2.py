@@ -369,7 +369,7 @@ def scripted_user_fn(task: Task, device_actions: bool = False):
 
 def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
     """Replay the trajectory's calls on a fresh environment; return tau2 messages with the real responses."""
-    t2, m = _tau2(), _tau2().msg
+    m = _tau2().msg
     t2_task = _tau2_task(task)
     env = _fresh_env(t2_task, task.metadata["domain"])
     out = list(t2_task.initial_state.message_history or []) if t2_task.initial_state is not None else []
