@@ -18,9 +18,15 @@ TRANSIENT = re.compile(r"EADDRINUSE|Address already in use|Connection (reset|ref
                        r"RendezvousTimeoutError|DistNetworkError|Socket Timeout", re.I)
 
 
-def torchrun(args: list[str], *, timeout: float, nproc: int = 2, tries: int = 2) -> subprocess.CompletedProcess:
+def child_env() -> dict:
+    """One thread per process (two ranks share 2 cores), and no WORLD_SIZE leaked from a pytest run under torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)      # a pytest run under torchrun must not leak its own world into the children
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def torchrun(args: list[str], *, timeout: float, nproc: int = 2, tries: int = 2) -> subprocess.CompletedProcess:
+    env = child_env()
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(nproc), *args]
     for attempt in range(1, tries + 1):
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

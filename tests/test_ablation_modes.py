@@ -201,9 +201,8 @@ def test_a_simulator_with_another_vocabulary_is_refused(micro_path, tmp_path):
 def test_both_modes_run_under_fsdp_with_two_processes(micro_path, tmp_path, mode):
     """torchrun, 2 ranks (gloo): scripted GRPO steps on sharded models; the simulator stays frozen, the
     separate world model trains, and the checkpoint holds each rank's optimizer state of both models."""
-    root = Path(__file__).resolve().parent.parent
     out = tmp_path / "seen.json"
-    torchrun([str(root / "tests" / "fsdp_modes_check.py"), str(micro_path), mode, str(out)], timeout=300)
+    torchrun(["tests/fsdp_modes_check.py", str(micro_path), mode, str(out)], timeout=300)   # run from the repo root
     seen = json.loads(out.read_text())
     assert all(n > 0 for n in seen["world_tokens"])
     assert seen["other_changed"] == (mode == "separate")

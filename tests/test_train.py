@@ -1,5 +1,4 @@
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import policy
 import rollout
 import train
 from rollout import Role
-from tests.launch import torchrun
+from tests.launch import child_env, torchrun
 from tests.scripted import run_train, tasks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,10 +149,8 @@ def test_grpo_raises_the_reward_of_a_trivially_learnable_target(micro_path):
 
 
 def test_fsdp_two_processes_match_one(micro_path, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
     script = str(ROOT / "tests" / "fsdp_check.py")
-    one_proc = subprocess.run([sys.executable, script, str(micro_path), str(tmp_path / "one.json")], env=env,
+    one_proc = subprocess.run([sys.executable, script, str(micro_path), str(tmp_path / "one.json")], env=child_env(),
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert one_proc.returncode == 0, one_proc.stderr[-4000:]
     torchrun([script, str(micro_path), str(tmp_path / "two.json")], timeout=300)
