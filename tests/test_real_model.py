@@ -161,7 +161,9 @@ def test_torchrun_two_processes_run_a_grpo_step(gguf_cache, tmp_path):
     That two processes compute what one does is tests/test_train.py's FSDP check."""
     hf_folder = policy.resolve_model_path(str(GGUF))   # the cached conversion: the subprocesses skip the GGUF
     out = tmp_path / "fsdp"
-    torchrun(["train.py", *train_args(hf_folder, out, ["--tasks-per-step", "2", "--steps", "1"])], timeout=600)
+    # --overwrite: a launch retried after a teardown abort (tests/launch.py) starts from an empty run again
+    torchrun(["train.py", *train_args(hf_folder, out, ["--tasks-per-step", "2", "--steps", "1", "--overwrite"])],
+             timeout=600)
     recs = metrics_of(out)
     assert [r["phase"] for r in recs] == ["grpo"]
     assert torch.isfinite(torch.tensor([recs[0]["loss"], recs[0]["grad_norm"]])).all() and recs[0]["rows"] == 4
