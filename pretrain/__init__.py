@@ -1,0 +1,1 @@
+"""Pretraining the embedded tiny model: synthetic data that forms in-context recall (see pretrain/README.md)."""
