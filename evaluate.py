@@ -44,8 +44,6 @@ TABLE_DIAGNOSTICS = ("rehearsed_turns", "assessed", "assess_agree_rate", "assess
                      "effect_unmeasured")
 TRAIN_RUN = Path("runs/tiny-toyworld")
 DEFAULT_TOYWORLD_LIMIT = 32
-LIMITS = {"default": {"max_new_tokens": 256, "max_world_tokens": 128, "max_turns": 30, "max_total_len": 16384},
-          "toyworld": {"max_new_tokens": 48, "max_world_tokens": 32, "max_turns": 8, "max_total_len": 2048}}
 
 
 def _budgets(text):
@@ -82,7 +80,8 @@ def build_parser():
                    "policy), 'policy', or a local HF folder sharing the policy's tokenizer")
     p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
                    "default: the policy itself plays the user, in its own context")
-    p.add_argument("--split", default="test")
+    p.add_argument("--split", default=None, help="split to score (default: per benchmark, bench/settings.py: "
+                   "test; BFCL-trained runs: dev, the held-out half of BFCL's multi-turn entries)")
     p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N tasks of the split (default: all; toyworld: the first 32 of its 1000)")
     p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
@@ -96,10 +95,14 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None, help="default 256 (toyworld 48)")
-    p.add_argument("--max-world-tokens", type=int_at_least(1), default=None, help="default 128 (toyworld 32)")
-    p.add_argument("--max-turns", type=int_at_least(1), default=None, help="default 30 (toyworld 8)")
-    p.add_argument("--max-total-len", type=int_at_least(16), default=None, help="default 16384 (toyworld 2048)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
+                   help="tokens per assistant turn (default: per benchmark, bench/settings.py)")
+    p.add_argument("--max-world-tokens", type=int_at_least(1), default=None,
+                   help="tokens per rehearsed tool response (default: per benchmark, bench/settings.py)")
+    p.add_argument("--max-turns", type=int_at_least(1), default=None,
+                   help="assistant turns per trajectory (default: per benchmark, bench/settings.py)")
+    p.add_argument("--max-total-len", type=int_at_least(16), default=None,
+                   help="tokens per trajectory, prompt included (default: per benchmark, bench/settings.py)")
     p.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=None,
                    help="probe the world model on every real call (default: on for toyworld)")
     p.add_argument("--max-rows", type=int_at_least(1), default=None,
@@ -277,9 +280,11 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on)
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
     user_eng = getattr(args, "user_engine", None) or eng
-    make_env = make_env_fn(mod, model_user_fn(user_eng, SamplingConfig(temperature=args.temperature,
-                                                                       top_p=args.top_p, greedy=args.greedy,
-                                                                       seed=args.seed)))
+    from bench import settings
+    limits = settings.settings_for(mod.NAME)
+    make_env = make_env_fn(mod, model_user_fn(user_eng, SamplingConfig(
+        temperature=args.temperature, top_p=args.top_p, greedy=args.greedy, seed=args.seed,
+        max_new_tokens=limits.user_max_new_tokens, max_total_len=limits.user_max_total_len)))
     specs, keys = [], []
     for trial in range(args.num_trials):
         for i, task in enumerate(tasks):
@@ -323,6 +328,16 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     return records
 
 
+def resolve_limits(args):
+    """Fill the limit flags left unset, and --split, from the benchmark's run settings (bench/settings.py: the
+    same resolution train.py uses)."""
+    from bench import settings
+    for key, value in settings.limits_for(args.bench, **{k: getattr(args, k) for k in settings.LIMIT_FIELDS}).items():
+        setattr(args, key, value)
+    args.split = args.split or settings.settings_for(args.bench).eval_split
+    return args
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -330,10 +345,7 @@ def main(argv=None) -> int:
         parser.error(f"--temperature must be > 0 (or pass --greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    limits = LIMITS.get(args.bench, LIMITS["default"])   # toy-world turns are ~10 tokens, real ones far longer
-    for key, value in limits.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    resolve_limits(args)
 
     import torch
 

@@ -83,7 +83,7 @@ def tiny_corpus(cfg: TinyConfig) -> list[str]:
               chat_format.ASSESS_ERROR, chat_format.ASSESS_WRONG, "    assessment: ", "-> predicted"] * 50
     render = _renderer()
     for task in toyworld.load_tasks("train", limit=max(cfg.corpus_tasks // 4, 1), seed=cfg.seed):
-        lines.append(render.apply_chat_template(toyworld.reference_trajectory(task), tools=task.tools,
+        lines.append(render.apply_chat_template(toyworld.reference_messages(task), tools=task.tools,
                                                 tokenize=False))
     return lines
 

@@ -1110,11 +1110,13 @@ def ragged_chunk(feeds: list[list[int]], offsets: list[int], pad_id: int):
 
 
 def sample_rows(logits: torch.Tensor, cfg: SamplingConfig, gens: list[torch.Generator],
-                steered: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+                steered: torch.Tensor | None = None, on_device: bool = False) -> tuple[list[int], list[float]]:
     """Sample one token per row ([rows, vocab] logits), row k with its own generator gens[k]; return the tokens
     and their log-probs under the temperature-scaled full distribution. The recorded log-prob ignores top-p
     truncation and steering on purpose: it is what the trainer recomputes. The softmaxes and the top-p cut
-    run over all rows at once (each row's numbers are those of the row alone); only the draws are per row."""
+    run over all rows at once (each row's numbers are those of the row alone); only the draws are per row.
+    On CPU a draw is torch.multinomial with the row's generator; on a GPU (or on_device=True) it is
+    inverse_cdf_draw, so the distribution never leaves the device."""
     choose = logits if steered is None else steered
     if cfg.greedy or cfg.temperature <= 0:
         tokens = choose.argmax(dim=-1)
@@ -1124,10 +1126,24 @@ def sample_rows(logits: torch.Tensor, cfg: SamplingConfig, gens: list[torch.Gene
         probs = torch.softmax(choose / cfg.temperature, dim=-1)
         if cfg.top_p < 1.0:
             probs = top_p_cut(probs, cfg.top_p)
-        probs = probs.cpu()
-        tokens = torch.tensor([int(torch.multinomial(probs[k], 1, generator=g)[0]) for k, g in enumerate(gens)],
-                              device=logits.device)
+        if probs.device.type == "cpu" and not on_device:
+            tokens = torch.tensor([int(torch.multinomial(probs[k], 1, generator=g)[0]) for k, g in enumerate(gens)])
+        else:
+            tokens = inverse_cdf_draw(probs, gens)
     return tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist()
+
+
+def inverse_cdf_draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row where the probabilities live (a GPU): row k's uniform comes from its own generator
+    (a scalar, so rows stay independent of each other), the search runs on all rows at once. What crosses to
+    the host per step is [rows] uniforms in and [rows] tokens out, never the [rows, vocab] distribution."""
+    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in gens], dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)                                            # [rows, vocab]
+    target = (u.to(probs.device) * cdf[:, -1])[:, None]                        # unnormalised rows (top-p cut)
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # a draw on a zero-probability tail token (float ties at the top) falls back to the last token with mass
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(tokens, last)
 
 
 def top_p_cut(probs: torch.Tensor, top_p: float, head: int = 64) -> torch.Tensor:

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from bench import BENCHES
+from chat_format import CALL_FORMATS
 from rollout import Role, role_mask, role_weights
 
 # ----------------------------------------------------------------------------------------------------------
@@ -184,83 +186,115 @@ def role_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch
 # Configuration
 
 
+def opt(default, help: str, choices=None):
+    """A TrainConfig field with its --help text (and choices): the config documents its own flags."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+PER_BENCH = "per benchmark, bench/settings.py"
+
+
 @dataclass
 class TrainConfig:
-    model: str = "tiny"              # 'tiny' (embedded, built on first use), a local HF folder or a .gguf file
-    chat_template: str = ""          # a jinja file replacing the model's chat template ("" = the model's own)
-    chat_template_kwargs: str = ""   # JSON object of extra template variables ("" = the checkpoint's saved ones)
-    bench: str = "toyworld"
-    split: str = "train"
-    task_opts: str = ""              # extra load_tasks options, "key=value,key=value" (e.g. families=balance)
-    out: str = "runs/tiny-toyworld"
-    env: str = "rehearse"            # where tool responses come from during GRPO: rehearse (the policy's
-                                     # world role, EnvACE) | real (the environment) | sim (a frozen simulator)
-    sim_model: str = ""              # --env sim: the frozen simulator (a local HF folder); "" = a frozen copy
-                                     # of the policy as GRPO began (kept in RUN/reference/)
-    world_model: str = "shared"      # shared: one model plays both roles (EnvACE) | separate: per-role
-                                     # policies, a second model writes and is trained on the WORLD tokens
-    user_model: str = ""             # simulated user for tau2/vita (a local HF folder); "" = the policy itself
-    train_roles: str = "auto"        # act,world | act; auto: act,world with --env rehearse, else act
-    steps: int = 30
-    tasks_per_step: int = 8
-    group_size: int = 4
-    lr: float = -1.0                 # -1: 1e-6 for real models (the paper), 3e-4 for the tiny one
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    updates_per_batch: int = 1
-    micro_batch: int = 8             # rows per forward/backward
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48         # toy-world turns are ~10 tokens; raise for real benchmarks
-    max_world_tokens: int = 32
-    max_turns: int = 8
-    max_total_len: int = 2048
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 3.0
-    kl_coef: float = 1e-4            # k3 KL to the policy as GRPO began (kept in RUN/reference/); 0: none
-    aggregate: str = "token_mean"
-    scale_std: bool = False          # False: Dr.GRPO advantages (no std division), as the paper; True: GRPO's
-    per_role_adv: bool = True        # role-wise groups: each role normalised over the rows that hold it
-    act_weight: float = 1.0
-    world_weight: float = 1.0
-    reward: str = "auto"             # checklist (fraction of rule-based items met) | success (binary task
-                                     # score) | auto: checklist where the benchmark has one, else success
-    defect_penalty: float = 0.1      # reward lost per defect of a rehearsed response (when WORLD is trained)
-    sft_steps: int = -1              # supervised warm start on reference trajectories; -1: SFT_TINY_STEPS for tiny
-    sft_batch: int = 16
-    sft_lr: float = 5e-3
-    sft_warmup: int = 30             # linear ramp of sft_lr over the first steps
-    sft_rehearsal_frac: float = -1.0  # share of warm-start sequences teaching the test-time rehearsal format
-    sft_memory: str = "real"         # their memory lines hold: real (real responses) | self (the model's own
-                                     # rehearsed responses, sampled as in the rollouts; rehearse.warm_start_examples)
-    sft_world_frac: float = 0.0      # share of warm-start sequences that are world examples (toy world only)
-    sft_world_lookup: float = 0.0    # share of world-example calls that are valid lookups (the rest random)
-    sft_world_skip: str = ""         # comma list of tools whose responses get no warm-start loss (mechanism test)
-    beta2: float = 0.95              # AdamW beta2 (0.95: the usual LM choice; tiny-model SFT learns ~2x faster)
-    sft_roles: str = "act,world"
-    seed: int = 0
-    save_every: int = 20
-    keep_checkpoints: int = 3        # older step_N folders are removed after each save; 0 keeps all
-    chunk_size: int = 1024
-    max_bad_steps: int = 3           # consecutive non-finite steps before the run stops
-    overwrite: bool = False
+    """Every knob of a run; each field is a flag (--field-name). None means: resolved at start (resolved())."""
+    model: str = opt("tiny", "'tiny' (the embedded model), a local HF folder or a .gguf file")
+    chat_template: str = opt("", "a jinja file replacing the model's chat template (default: the model's own)")
+    chat_template_kwargs: str = opt("", "extra chat-template variables as a JSON object, e.g. "
+                                        "'{\"enable_thinking\": false}' (default: those saved with the model)")
+    tool_call_format: str = opt("", "how the model writes tool calls (default: inferred from the chat template)",
+                                list(CALL_FORMATS))
+    bench: str = opt("toyworld", "benchmark to train on", list(BENCHES))
+    split: str = opt("", f"split to train on (default: {PER_BENCH}: tau2's own train split, BFCL's train half)")
+    task_opts: str = opt("", "extra load_tasks options as key=value,key=value (e.g. domain=airline)")
+    out: str = opt("", "run folder (default: runs/MODEL-BENCH, e.g. runs/tiny-toyworld)")
+    env: str = opt("rehearse", "who writes tool responses in GRPO rollouts: rehearse (the policy's world role, "
+                               "EnvACE), real (the environment), sim (a frozen simulator)", ["rehearse", "real", "sim"])
+    sim_model: str = opt("", "--env sim: the frozen simulator, a local HF folder (default: a frozen copy of the "
+                             "policy as GRPO began, kept in RUN/reference/)")
+    world_model: str = opt("shared", "shared: one model plays both roles (EnvACE); separate: a second model "
+                                     "writes and is trained on the WORLD tokens (per-role policies)",
+                           ["shared", "separate"])
+    user_model: str = opt("", "simulated user for tau2/vita, a local HF folder (default: the policy itself)")
+    train_roles: str = opt("auto", "roles whose tokens get the GRPO loss: act,world or act (auto: act,world with "
+                                   "--env rehearse, else act)")
+    steps: int = opt(30, "GRPO steps (after --sft-steps warm-start steps)")
+    tasks_per_step: int = opt(8, "tasks per GRPO step (the paper: 16)")
+    group_size: int = opt(4, "rollouts per task: the GRPO group (the paper: 4)")
+    lr: float | None = opt(None, "GRPO learning rate (default: 1e-6 for a real model, the paper's; 3e-4 tiny)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "gradient-norm clip")
+    updates_per_batch: int = opt(1, "optimizer updates per rollout batch (the paper: 1)")
+    micro_batch: int = opt(8, "rows per forward/backward")
+    temperature: float = opt(1.0, "sampling temperature of training rollouts (the paper: 1.0)")
+    top_p: float = opt(1.0, "top-p of training rollouts")
+    max_new_tokens: int | None = opt(None, f"tokens per assistant turn (default: {PER_BENCH})")
+    max_world_tokens: int | None = opt(None, f"tokens per rehearsed tool response (default: {PER_BENCH})")
+    max_turns: int | None = opt(None, f"assistant turns per trajectory (default: {PER_BENCH})")
+    max_total_len: int | None = opt(None, f"tokens per trajectory, prompt included (default: {PER_BENCH})")
+    clip_low: float = opt(0.2, "PPO ratio clip below 1")
+    clip_high: float = opt(0.2, "PPO ratio clip above 1")
+    dual_clip: float = opt(3.0, "dual-clip bound for negative advantages (0: off)")
+    kl_coef: float = opt(1e-4, "k3 KL to the policy as GRPO began (kept in RUN/reference/); 0: none")
+    aggregate: str = opt("token_mean", "loss aggregation", ["token_mean", "seq_mean"])
+    scale_std: bool = opt(False, "divide advantages by the group's std (GRPO); off: Dr.GRPO, as the paper")
+    per_role_adv: bool = opt(True, "role-wise groups: each role normalised over the rows that hold it")
+    act_weight: float = opt(1.0, "loss weight of ACT tokens")
+    world_weight: float = opt(1.0, "loss weight of WORLD tokens")
+    reward: str = opt("auto", "checklist (share of rule-based items met), success (binary task score); auto: "
+                              "checklist where the benchmark has one", ["checklist", "success", "auto"])
+    defect_penalty: float = opt(0.1, "reward lost per defect of a rehearsed response (when WORLD is trained)")
+    sft_steps: int | None = opt(None, f"supervised warm-start steps on reference chats before GRPO (default: "
+                                      f"SFT_TINY_STEPS for tiny on toyworld, else 0)")
+    sft_batch: int = opt(16, "warm-start sequences per step")
+    sft_lr: float = opt(5e-3, "warm-start learning rate")
+    sft_warmup: int = opt(30, "linear ramp of --sft-lr over the first steps")
+    sft_rehearsal_frac: float | None = opt(None, "share of warm-start sequences teaching the test-time rehearsal "
+                                                 "format (default: 0.25 for tiny on toyworld, else 0)")
+    sft_memory: str = opt("real", "rehearsal-format memory lines: real responses, or the model's own rehearsed "
+                                  "ones (self)", ["real", "self"])
+    sft_world_frac: float = opt(0.0, "share of warm-start sequences that are world examples (toy world only)")
+    sft_world_lookup: float = opt(0.0, "share of world-example calls that are valid lookups (the rest random)")
+    sft_world_skip: str = opt("", "comma list of tools whose responses get no warm-start loss (mechanism test)")
+    beta2: float = opt(0.95, "AdamW beta2")
+    sft_roles: str = opt("act,world", "roles trained in the warm start")
+    seed: int = opt(0, "seed of task draws, sampling and init")
+    save_every: int = opt(20, "steps between checkpoints")
+    keep_checkpoints: int = opt(3, "step_N folders kept (older ones removed after each save); 0 keeps all")
+    chunk_size: int = opt(1024, "positions per LM-head chunk in the log-prob pass")
+    max_bad_steps: int = opt(3, "consecutive non-finite steps before the run stops")
+    overwrite: bool = opt(False, "replace an existing --out folder")
 
     def resolved(self) -> "TrainConfig":
+        """A copy with every None (and the 'auto' choices) replaced by its value for this model and benchmark.
+        Runs saved before these were None stored -1 for 'auto': read the same."""
+        from bench import settings
         c = TrainConfig(**asdict(self))
         tiny = c.model == "tiny"
-        if c.lr < 0:
+        bench = settings.settings_for(c.bench)
+        if c.lr is None or c.lr < 0:
             c.lr = 3e-4 if tiny else 1e-6
-        if c.sft_steps < 0:
+        if c.sft_steps is None or c.sft_steps < 0:
             c.sft_steps = SFT_TINY_STEPS if tiny and c.bench == "toyworld" else 0
-        if c.sft_rehearsal_frac < 0:   # -1: on for the tiny model, which has never seen the format otherwise
-            c.sft_rehearsal_frac = 0.25 if tiny else 0.0
+        if c.sft_rehearsal_frac is None or c.sft_rehearsal_frac < 0:   # the tiny model never saw the format
+            c.sft_rehearsal_frac = 0.25 if tiny and c.bench == "toyworld" else 0.0
+        for key, value in settings.limits_for(c.bench, **{k: getattr(c, k) for k in settings.LIMIT_FIELDS}).items():
+            setattr(c, key, value)
+        c.split = c.split or bench.train_split
+        c.out = c.out or default_out(c.model, c.bench)
         if c.train_roles == "auto":
             c.train_roles = "act,world" if c.env == "rehearse" else "act"
         if c.reward == "auto":
             import reward
             c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
         return c
+
+
+def default_out(model: str, bench: str) -> str:
+    """runs/MODEL-BENCH: MODEL the folder or file name without its extension ('tiny' for the tiny model)."""
+    name = Path(model.rstrip("/")).name
+    for ext in (".gguf", ".safetensors"):
+        name = name[:-len(ext)] if name.endswith(ext) else name
+    return f"runs/{name or 'model'}-{bench}"
 
 
 SFT_TINY_STEPS = 1600  # copy transition at ~280-575 on one machine, ~800-1200 on another; gains go on to 1800 (README)
@@ -335,11 +369,11 @@ def validate(cfg: TrainConfig):
                 "max_world_tokens", "max_turns", "max_total_len", "sft_batch", "save_every", "chunk_size",
                 "max_bad_steps"]
     for name in positive:
-        if getattr(cfg, name) <= 0:
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     for name in ("lr", "sft_lr", "grad_clip", "clip_low", "clip_high", "temperature", "top_p"):
         v = getattr(cfg, name)
-        if name == "lr" and v == -1.0:   # the 'auto' default
+        if name == "lr" and v is None:   # resolved per model
             continue
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v}")
@@ -349,8 +383,16 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--beta2 must be in [0, 1), got {cfg.beta2}")
     if cfg.sft_warmup < 0:
         raise ConfigError(f"--sft-warmup must be >= 0, got {cfg.sft_warmup}")
-    if cfg.sft_rehearsal_frac != -1.0 and not 0 <= cfg.sft_rehearsal_frac <= 1:
-        raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1] (or -1: auto), got {cfg.sft_rehearsal_frac}")
+    if cfg.sft_rehearsal_frac is not None and not 0 <= cfg.sft_rehearsal_frac <= 1:
+        raise ConfigError(f"--sft-rehearsal-frac must be in [0, 1], got {cfg.sft_rehearsal_frac}")
+    if cfg.sft_steps is not None and cfg.sft_steps < 0:
+        raise ConfigError(f"--sft-steps must be >= 0, got {cfg.sft_steps}")
+    if cfg.tool_call_format and cfg.tool_call_format not in CALL_FORMATS:
+        raise ConfigError(f"--tool-call-format must be one of {', '.join(CALL_FORMATS)}, not {cfg.tool_call_format!r}")
+    resolved = cfg.resolved()
+    if resolved.sft_steps > 0 and not hasattr(load_bench(cfg.bench), "reference_messages"):
+        raise ConfigError(f"--sft-steps {resolved.sft_steps}: benchmark {cfg.bench!r} has no reference solutions "
+                          "to warm-start on; use --sft-steps 0")
     if cfg.sft_memory not in ("real", "self"):
         raise ConfigError(f"--sft-memory must be real or self, not {cfg.sft_memory!r}")
     if not 0 <= cfg.sft_world_frac <= 1:   # also refuses nan
@@ -604,7 +646,7 @@ def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random,
         messages = bench.world_examples(task, rng, n_calls, lookup_frac=world_lookup, skip_lookups=world_skip) \
             if world_lookup else bench.world_examples(task, rng, n_calls)
     else:
-        messages = bench.reference_trajectory(task)
+        messages = bench.reference_messages(task)
         if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
             examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng, memory=memory,
                                                     sampling=sampling)
@@ -880,7 +922,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         print("\ninterrupt: finishing this step, saving a checkpoint, then exiting", file=sys.stderr)
 
     signal.signal(signal.SIGINT, on_sigint)
-    bad_steps = 0
+    bad_steps, grpo_steps, no_signal_steps = 0, 0, 0
     bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not d.main,
                desc="train", dynamic_ncols=True)
     for step in bar:
@@ -889,6 +931,10 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         phase = "sft" if step < cfg.sft_steps else "grpo"
         record, ok = (sft_step if phase == "sft" else grpo_step)(t, step, pick)
         bad_steps = 0 if ok else bad_steps + 1
+        if phase == "grpo":
+            grpo_steps += 1
+            no_signal_steps += bool(record.get("no_signal"))
+            record["no_signal_steps"] = no_signal_steps
         record.update(step=step, phase=phase, skipped_update=not ok, t_step=time.perf_counter() - t_step)
         if t.metrics is not None:
             t.metrics.write(record)
@@ -909,6 +955,11 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     if d.world_size > 1:
         import torch.distributed as dist
         dist.destroy_process_group()
+    if grpo_steps and no_signal_steps == grpo_steps:
+        raise NothingToTrain(f"the policy was never updated: all {grpo_steps} GRPO steps of this run had every "
+                             f"group flat (equal rewards in each group) or no trained token; see "
+                             f"{t.run / 'metrics.jsonl'} (reward_mean, end_reasons). Try more steps, a larger "
+                             "--group-size, --reward checklist, or a warm start (--sft-steps)")
     return t.run
 
 
@@ -919,6 +970,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     from cli import load_engine
 
     d = setup_dist()
+    cfg = cfg.resolved()
     run = Path(cfg.out)
     start_step, ckpt = 0, None
     if resume is not None:
@@ -933,7 +985,6 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     elif run.exists() and any(run.iterdir()) and not cfg.overwrite:
         raise ConfigError(f"run folder {run} already exists; use --resume {run} to continue it, --out for a new "
                           "one, or --overwrite to replace it")
-    cfg = cfg.resolved()
     if cfg.sft_steps + cfg.steps <= 0:
         raise ConfigError("nothing to do: --steps and --sft-steps are both 0")
     random.seed(cfg.seed + d.rank)
@@ -956,7 +1007,8 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
                           f"but --sft-world-skip leaves every one without loss: drop one from the skip list")
     # a checkpoint carries its chat template (chat_template.jinja) and variables, so resuming reads them there
     engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
-                         template_kwargs(cfg), dtype=torch.float32, device=d.device)   # fails early if unusable
+                         template_kwargs(cfg), cfg.tool_call_format or None, dtype=torch.float32,
+                         device=d.device)   # fails early if unusable
     model = shard(engine.model, d)
     optimizer = make_optimizer(model, cfg)
     world, world_optimizer = None, None
@@ -982,15 +1034,22 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     if cfg.user_model:
         user_engine = load_engine(cfg.user_model, dtype=torch.float32, device=d.device)
         user_engine.model.eval()
-    make_env = rollout.make_env_fn(bench, rollout.model_user_fn(
-        user_engine, subconfig(rollout.SamplingConfig, cfg, max_new_tokens=256, max_world_tokens=128,
-                               max_turns=8, max_total_len=4096)))
+    make_env = rollout.make_env_fn(bench, rollout.model_user_fn(user_engine, user_sampling(cfg)))
     loss_cfg = subconfig(LossConfig, cfg, role_weights={"act": cfg.act_weight, "world": cfg.world_weight})
     return Trainer(cfg=cfg, d=d, run=run, bench=bench, tasks=tasks, engine=engine, model=model,
                    optimizer=optimizer, make_env=make_env, loss_cfg=loss_cfg,
                    sampling=subconfig(rollout.SamplingConfig, cfg), train_roles=parse_roles(cfg.train_roles),
                    sft_roles=parse_roles(cfg.sft_roles), world_skip=world_skip, metrics=metrics,
                    samples=samples, sim_model=sim_model, world=world, world_optimizer=world_optimizer), start_step
+
+
+def user_sampling(cfg: TrainConfig):
+    """Sampling of the simulated user's replies (tau2, vita): the benchmark's user limits, the run's temperature."""
+    import rollout
+    from bench import settings
+    s = settings.settings_for(cfg.bench)
+    return subconfig(rollout.SamplingConfig, cfg, max_new_tokens=s.user_max_new_tokens,
+                     max_total_len=s.user_max_total_len)
 
 
 def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
@@ -1035,6 +1094,7 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
                               make_env=t.make_env, responses="real" if cfg.env == "real" else "rehearse",
                               world_model=writer)
     t_rollout = time.perf_counter() - t0
+    refuse_if_nothing_acted(ro, cfg, d, step, t.engine.model.config)
     t0 = time.perf_counter()
     # a defective rehearsed response costs reward only where its writer is trained (the world role)
     penalty = cfg.defect_penalty if Role.WORLD in t.train_roles else 0.0
@@ -1085,16 +1145,22 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
             break
     t_update = time.perf_counter() - t0
     succ = [s.components.get("success", s.reward) for s in scores]
-    sums = all_sum([float(rewards.sum()), float(sum(succ)), len(scores), flat, ro.stats["act_tokens"],
-                    ro.stats["world_tokens"], sum(len(x) for x in ro.rehearsal_defects), ro.stats["tokens_sampled"],
-                    sum(bool(s.components.get("evaluator_error")) for s in scores), len(set(ro.task_index))], d)
-    record = dict(reward_mean=sums[0] / sums[2], success_rate=sums[1] / sums[2], rows=int(sums[2]),
-                  flat_groups=int(sums[3]), act_tokens=int(sums[4]), world_tokens=int(sums[5]),
-                  rehearsal_defects=int(sums[6]), evaluator_errors=int(sums[8]),
-                  tokens_per_s=sums[7] / max(t_rollout, 1e-9) / d.world_size,
+    trained = role_mask(ro.roles, t.train_roles).bool()
+    n = dict(zip(SUM_KEYS, all_sum([
+        float(rewards.sum()), float(sum(succ)), len(scores), flat, ro.stats["act_tokens"], ro.stats["world_tokens"],
+        sum(len(x) for x in ro.rehearsal_defects), ro.stats["tokens_sampled"],
+        sum(bool(s.components.get("evaluator_error")) for s in scores), len(set(ro.task_index)),
+        int(trained.sum()), int((trained & (adv != 0)).sum())], d)))
+    record = dict(reward_mean=n["reward"] / n["rows"], success_rate=n["success"] / n["rows"], rows=int(n["rows"]),
+                  flat_groups=int(n["flat_groups"]), act_tokens=int(n["act_tokens"]),
+                  world_tokens=int(n["world_tokens"]), rehearsal_defects=int(n["defects"]),
+                  evaluator_errors=int(n["evaluator_errors"]), trained_tokens=int(n["trained_tokens"]),
+                  signal_tokens=int(n["signal_tokens"]),   # trained tokens with a nonzero advantage
+                  no_signal=n["signal_tokens"] == 0,        # every group flat or nothing trained: no update
+                  tokens_per_s=n["sampled"] / max(t_rollout, 1e-9) / d.world_size,
                   t_rollout=t_rollout, t_reward=t_reward, t_fidelity=t_fidelity, t_update=t_update,
                   end_reasons={r: ro.end_reasons.count(r) for r in set(ro.end_reasons)},
-                  flat_group_share=sums[3] / max(1.0, sums[9]))      # groups whose rewards are all equal
+                  flat_group_share=n["flat_groups"] / max(1.0, n["groups"]))      # groups whose rewards are all equal
     for prefix in updates:           # loss, kl, ... of the policy; world_loss, world_kl, ... of a separate world model
         for key in ("loss", "kl", "clip_frac", "logp_mismatch"):
             record[prefix + key] = pg.get(prefix, {}).get(key)
@@ -1108,6 +1174,34 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
         t.samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
                          "text": rollout.describe_row(ro, t.engine.tok, 0)})
     return record, ok
+
+
+SUM_KEYS = ("reward", "success", "rows", "flat_groups", "act_tokens", "world_tokens", "defects", "sampled",
+            "evaluator_errors", "groups", "trained_tokens", "signal_tokens")   # summed over ranks each step
+
+
+class NothingToTrain(RuntimeError):
+    """A GRPO step whose rows wrote no action: training on it would silently do nothing."""
+
+
+def refuse_if_nothing_acted(ro, cfg: TrainConfig, d: Dist, step: int, model_config=None):
+    """Stop the run when no row of the step (on any rank) wrote a single ACT token: the prompt was over
+    --max-total-len, or every turn was cut before its first token. The message names the limit and its flag."""
+    if all_sum([float(ro.stats["act_tokens"])], d)[0] > 0:
+        return
+    reasons = sorted(set(ro.end_reasons))
+    errors = [e for tr in ro.trajectories for e in tr.errors if e.startswith("context_too_long")]
+    window = getattr(model_config, "max_position_embeddings", None)
+    if errors and window is not None and window < cfg.max_total_len:
+        fix = (f"{errors[0].split(': ', 1)[1]}: the model's context window (max_position_embeddings {window}) is "
+               "the limit, below --max-total-len; use a model with a longer context or shorter tasks")
+    elif errors:
+        fix = (f"{errors[0].split(': ', 1)[1]}; raise --max-total-len (now {cfg.max_total_len}) above the "
+               "prompt, or pick shorter tasks")
+    else:
+        fix = f"raise --max-new-tokens (now {cfg.max_new_tokens}) or --max-total-len (now {cfg.max_total_len})"
+    raise NothingToTrain(f"GRPO step {step}: no row wrote an action (rows ended {', '.join(reasons) or 'empty'}): "
+                         f"{fix}")
 
 
 def begin_grpo(t: Trainer):
@@ -1131,6 +1225,8 @@ def progress_fields(record: dict) -> dict:
     fidelity of the step's rehearsed calls (`fid`)."""
     out = {k: round(record[k], 3) for k in ("loss", "reward_mean", "success_rate", "flat_group_share")
            if record.get(k) is not None}
+    if record.get("no_signal_steps"):
+        out["no_signal"] = record["no_signal_steps"]
     calls = {k.split("/", 1)[1]: n for k, n in record.items() if k.startswith("fidelity_n/")}
     if calls:
         out["fid"] = round(sum(record[f"fidelity_exact/{t}"] * n for t, n in calls.items()) / sum(calls.values()), 3)
@@ -1143,17 +1239,23 @@ def progress_fields(record: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field, its help and choices from the field's metadata."""
     from cli import OneLineParser
     ap = OneLineParser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
                        argument_default=argparse.SUPPRESS, help_hint=True)
+    kinds = {"int": int, "float": float, "str": str}
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        text, choices = f.metadata["help"], f.metadata["choices"]
+        shown = "" if f.default is None or "default:" in text else f" (default: {f.default if f.default != '' else 'none'})"
         if f.type in ("bool", bool):
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"(default {f.default})")
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            ap.add_argument(flag, type=kind, help=f"(default {f.default})")
-    ap.add_argument("--resume", type=str, help="continue the run in this folder from its latest checkpoint")
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, help=text + shown)
+            continue
+        kind = kinds[str(f.type).split(" | ")[0]]
+        metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
+        ap.add_argument(flag, type=kind, choices=choices, help=text + shown, metavar=None if choices else metavar)
+    ap.add_argument("--resume", type=str, metavar="RUN", help="continue the run in this folder from its latest "
+                                                                "checkpoint")
     return ap
 
 
@@ -1182,17 +1284,17 @@ def main(argv=None) -> int:
         validate(cfg)
         run = train(cfg, Path(resume) if resume else None)
     except (ConfigError, CheckpointError, policy.PolicyLoadError, BenchUnavailable, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:   # e.g. a rollout template error or an unknown split from a loader
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
-    except FloatingPointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (FloatingPointError, NothingToTrain) as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
         return 1
     except torch.OutOfMemoryError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
-        print(f"error: out of device memory ({first[:160]}); reduce --micro-batch (rows per forward/backward), "
+        print(f"train.py: error: out of device memory ({first[:160]}); reduce --micro-batch (rows per forward/backward), "
               "--group-size, --max-new-tokens, --max-total-len or --chunk-size (log-prob positions per LM-head "
               "chunk), then --resume the run", file=sys.stderr)
         return 1

@@ -348,15 +348,27 @@ def _make_task(entry: dict, answer, category: str, system_prompt, underscore_nam
                 ground_truth=answer, metadata=meta, max_assistant_turns=1)
 
 
-def load_tasks(split: str = "test", limit: int | None = None, categories=None, system_prompt: str | None = "default",
-               underscore_names: bool = False) -> list[Task]:
-    """Tasks of the offline categories named by `split` (see the module docstring), in BFCL order.
+TRAIN_SPLITS = ("train", "dev")   # BFCL has no train split: a fixed half of the multi-turn entries each
 
-    limit: at most this many tasks per category. system_prompt: "default" prepends BFCL's classic instructions
+
+def _train_half(task_id: str) -> bool:
+    """Whether a multi-turn entry is in the "train" half (else "dev"): by a hash of its id, fixed forever."""
+    import hashlib
+    return int(hashlib.md5(f"bfcl-train/{task_id}".encode()).hexdigest(), 16) % 2 == 0
+
+
+def load_tasks(split: str = "test", limit: int | None = None, categories=None, system_prompt: str | None = "default",
+               underscore_names: bool = False, ids: str | None = None) -> list[Task]:
+    """Tasks of the offline categories named by `split` (see the module docstring), in BFCL order. "train" and
+    "dev" are the two halves of the multi-turn categories (by task id; BFCL has no train split): train on
+    "train", evaluate that run on "dev".
+
+    limit: at most this many tasks per category. ids: a comma list of task ids to keep (e.g. one short task). system_prompt: "default" prepends BFCL's classic instructions
     (persona, task, multi-turn behaviour; not its text-format rules, since calls are native tool calls), None keeps
     only the question's own system message (BFCL's FC mode exactly), any other string is used as given.
     """
-    cats = resolve_categories(split, categories)
+    half = split if split in TRAIN_SPLITS and categories is None else None
+    cats = MULTI_TURN_CATEGORIES if half else resolve_categories(split, categories)
     data = _data_dir()
     prompt = _system_prompt() if system_prompt == "default" else system_prompt
     tasks = []
@@ -370,8 +382,11 @@ def load_tasks(split: str = "test", limit: int | None = None, categories=None, s
                 raise BenchUnavailable(f"BFCL data for {cat} is inconsistent (question and answer ids differ); "
                                        f"reinstall with: {INSTALL}")
             answers = [a["ground_truth"] for a in answers]
-        n = len(entries) if limit is None else min(limit, len(entries))
-        for entry, answer in zip(entries[:n], answers[:n]):
+        wanted = None if ids is None else {x.strip() for x in str(ids).split(",")}
+        pairs = [(e, a) for e, a in zip(entries, answers) if (half is None or _train_half(e["id"]) == (half == "train"))
+                 and (wanted is None or e["id"] in wanted)]
+        n = len(pairs) if limit is None else min(limit, len(pairs))
+        for entry, answer in pairs[:n]:
             tasks.append(_make_task(copy.deepcopy(entry), copy.deepcopy(answer), cat, prompt, underscore_names))
     return tasks
 
@@ -836,7 +851,7 @@ def reference_calls(task: Task) -> list[ToolCall]:
     return out
 
 
-def reference_trajectory(task: Task, with_observations: bool = True) -> Trajectory:
+def ground_truth_trajectory(task: Task, with_observations: bool = True) -> Trajectory:
     """A trajectory that makes the reference calls (observations from a real Env when asked)."""
     calls = reference_calls(task)
     obs = []
@@ -848,3 +863,34 @@ def reference_trajectory(task: Task, with_observations: bool = True) -> Trajecto
             obs.append(env.step(c.name, c.arguments))
     return Trajectory(task_id=task.id, messages=list(task.messages), calls=calls, observations=obs,
                       rehearsed=[False] * len(obs))
+
+
+REFERENCE_TURN_END = "Done."            # the text that ends a reference turn (BFCL scores calls, not this text)
+REFERENCE_NO_CALL = "None of the available functions can do this."   # irrelevance: the right answer is no call
+
+
+def reference_messages(task: Task) -> list[dict]:
+    """The ground truth as a chat for the warm start: single-turn, one assistant message holding every reference
+    call (parallel categories call several at once; irrelevance: a text that calls nothing); multi-turn, per
+    user turn each reference call as its own assistant step with its real response from a fresh environment,
+    then a short closing text, then the next user message exactly as the environment gives it. live_relevance
+    has no ground truth: ValueError."""
+    cat = task.metadata["category"]
+    if cat == "live_relevance":
+        raise ValueError(f"BFCL task {task.id}: live_relevance has no ground truth to warm-start on")
+    msgs = [dict(m) for m in task.messages]
+    calls = reference_calls(task)
+    as_call = lambda c: {"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}  # noqa: E731
+    if cat not in MULTI_TURN_CATEGORIES:
+        msgs.append({"role": "assistant", "content": "" if calls else REFERENCE_NO_CALL,
+                     "tool_calls": [as_call(c) for c in calls]})
+        return msgs
+    env = make_env(task)
+    for u in range(task.metadata["num_user_turns"]):
+        if u > 0:
+            msgs.append({"role": "user", "content": env.user_turn(REFERENCE_TURN_END)})
+        for c in (c for c in calls if c.user_turn == u):
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [as_call(c)]})
+            msgs.append({"role": "tool", "name": c.name, "content": env.step(c.name, c.arguments)})
+        msgs.append({"role": "assistant", "content": REFERENCE_TURN_END})
+    return msgs

@@ -39,6 +39,7 @@ rollouts (no environment called) are scored exactly like real ones.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -121,8 +122,8 @@ def load_tasks(split: str = "test", limit: int | None = None, data=None, categor
     test set: split must be "test" (or "all")."""
     if category not in CATEGORIES:
         raise ValueError(f"unknown FinMCP-Bench category {category!r}; choose one of: {', '.join(CATEGORIES)}")
-    if split not in ("test", "all"):
-        raise ValueError(f"unknown FinMCP-Bench split {split!r}; choose one of: test, all")
+    if split not in SPLITS:
+        raise ValueError(f"unknown FinMCP-Bench split {split!r}; choose one of: {', '.join(SPLITS)}")
     if tools not in ("all", "task"):
         raise ValueError(f"unknown tools option {tools!r}; choose one of: all, task")
     if data is None:
@@ -136,7 +137,39 @@ def load_tasks(split: str = "test", limit: int | None = None, data=None, categor
         records = [r for r in records if r[3] == category]
     schemas = infer_schemas([r[2] for r in records])
     tasks = [_make_task(path, i, rec, cat, schemas, tools) for path, i, rec, cat in records]
+    tasks = [t for t in tasks if _in_split(t.id, split)]
     return tasks[:limit] if limit is not None else tasks
+
+
+SPLITS = ("test", "all", "train", "dev")
+
+
+def _in_split(task_id: str, split: str) -> bool:
+    """test/all: every record (the benchmark is a test set); train/dev: the project's own 80/20 partition by
+    task id, so a run trained on FinMCP-Bench is scored on records it never saw."""
+    if split in ("test", "all"):
+        return True
+    dev = int(hashlib.md5(task_id.encode()).hexdigest(), 16) % 5 == 0
+    return dev if split == "dev" else not dev
+
+
+def reference_messages(task: Task) -> list[dict]:
+    """The record's own reference as a chat for the warm start: per user turn its recorded calls with their
+    recorded responses, the next user message, and the record's answer at the end."""
+    msgs = [dict(m) for m in task.messages]
+    later = list(task.metadata["later_user_messages"])
+    recorded = task.metadata["recorded"]
+    turns = max([c["user_turn"] for c in recorded] + [len(later)]) + 1
+    for u in range(turns):
+        if u > 0:
+            msgs.append({"role": "user", "content": later[u - 1] if u - 1 < len(later) else "Please go on."})
+        for c in (c for c in recorded if c["user_turn"] == u):
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": c["name"], "arguments": dict(c["arguments"])}}]})
+            msgs.append({"role": "tool", "name": c["name"], "content": c["response"] or ""})
+        answer = task.ground_truth.get("answer") if u == turns - 1 else None
+        msgs.append({"role": "assistant", "content": str(answer) if answer else "Done."})
+    return msgs
 
 
 def _args(raw) -> dict:

@@ -485,6 +485,28 @@ def ground_truth_trajectory(task: Task) -> Trajectory:
                       rehearsed=[False] * len(calls), final_answer=final, end_reason="final_answer")
 
 
+def reference_messages(task: Task) -> list[dict]:
+    """The task's expected actions as a chat for the warm start (ground_truth_trajectory's messages), each
+    agent call answered by the real response of a fresh domain environment, user-side device actions run on it
+    in order, so later responses see the state earlier actions left."""
+    t2_task = _tau2_task(task)
+    env = _fresh_env(t2_task, task.metadata["domain"])
+    msgs, k = [], 0
+    for m in ground_truth_trajectory(task).messages:
+        m = dict(m)
+        for uc in m.get("user_tool_calls") or []:
+            k += 1
+            _run_call(env, uc["name"], uc["arguments"], "user", f"ref_{k}")
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            pending = [tc["function"] for tc in m["tool_calls"]]
+        if m["role"] == "tool":
+            f = pending.pop(0)
+            k += 1
+            m["content"] = _run_call(env, f["name"], f["arguments"], "assistant", f"ref_{k}")[1]
+        msgs.append(m)
+    return msgs
+
+
 def pass_hat_k(results_by_task: dict[str, list[float]], k: int) -> float:
     """tau²'s pass^k: mean over tasks of C(c, k) / C(n, k), c = trials with reward 1 out of n."""
     if k < 1:

@@ -510,7 +510,7 @@ def gold_calls(task: Task) -> list[dict]:
     return [{"name": g["name"], "arguments": dict(g["arguments"])} for g in task.ground_truth["calls"]]
 
 
-def reference_trajectory(task: Task) -> list[dict]:
+def reference_messages(task: Task) -> list[dict]:
     """The full gold chat: opening messages, one assistant turn per call with the real tool response, answer."""
     env = make_env(task)
     msgs = [dict(m) for m in task.messages]
@@ -589,7 +589,7 @@ def world_examples(task: Task, rng: random.Random, n: int, lookup_frac: float = 
     with one random call each (`_random_call`: valid and invalid; with probability lookup_frac instead a valid
     lookup, `_lookup_call`, whose answer stands in the prompt or follows from the calls before), each followed
     by its real response from the task's environment (which keeps the state the earlier calls left). Chat
-    messages, as reference_trajectory's; the chat ends with the last tool response. Lookups of the tools in
+    messages, as reference_messages's; the chat ends with the last tool response. Lookups of the tools in
     skip_lookups are not drawn: their responses get no loss (--sft-world-skip), so they would teach nothing."""
     if n < 1:
         raise ValueError(f"world_examples needs n >= 1 calls, got {n}")
@@ -612,7 +612,7 @@ def world_examples(task: Task, rng: random.Random, n: int, lookup_frac: float = 
 
 
 def trajectory_from_messages(task: Task, messages: list[dict], rehearsed: bool = False) -> Trajectory:
-    """Build a Trajectory (calls, observations, final answer) from chat messages like reference_trajectory's."""
+    """Build a Trajectory (calls, observations, final answer) from chat messages like reference_messages's."""
     calls, obs, turn, pending = [], [], 0, 0
     final = ""
     for m in messages[len(task.messages):]:
@@ -648,7 +648,7 @@ def corpus_text(n_tasks: int = 2000, seed: int = 0) -> list[str]:
                 "insufficient funds", "arguments must be an object"]:
         lines.append(_err(msg))
     for task in load_tasks("train", limit=n_tasks, seed=seed):
-        for m in reference_trajectory(task):
+        for m in reference_messages(task):
             if m.get("content"):
                 lines.extend(m["content"].split("\n"))
             for tc in m.get("tool_calls") or []:

@@ -1130,3 +1130,18 @@ def reference_calls(task: Task) -> tuple[list[ToolCall], list[str]]:
         elif target == "paid" and pay and env.db[table][oid]["status"] == "unpaid":
             call(pay, **{key: oid})
     return calls, problems
+
+
+def reference_messages(task: Task) -> list[dict]:
+    """The derived reference (reference_calls) as a chat for the warm start: each call with its real response
+    from a fresh environment, then a short closing text. Tasks whose ground truth cannot be fully derived
+    (reference_calls' problems) still give the calls that could be."""
+    calls, _ = reference_calls(task)
+    env = make_env(task)
+    msgs = [dict(m) for m in task.messages]
+    for c in calls:
+        msgs.append({"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": dict(c.arguments)}}]})
+        msgs.append({"role": "tool", "name": c.name, "content": env.step(c.name, c.arguments)})
+    msgs.append({"role": "assistant", "content": "Done: the orders are placed as you asked."})
+    return msgs

@@ -68,7 +68,7 @@ of naming one of the prompt's balances at random (balance_chance)."""
     eng = rollout.Engine(model.eval(), tok)
     fmt, pairs, balance_values = eng.fmt, [], []
     for i, task in enumerate(tasks):
-        chat = toyworld.reference_trajectory(task)[:-1] if kind == "gold" else \
+        chat = toyworld.reference_messages(task)[:-1] if kind == "gold" else \
             toyworld.world_examples(task, random.Random(seed * 100_003 + i), 3)
         for k, m in enumerate(chat):
             if m["role"] != "tool":

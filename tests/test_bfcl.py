@@ -170,7 +170,7 @@ def test_ground_truth_replay_multi_turn(all_tasks, cat):
     """The whole set; the trajectory carries real observations from our Env, which must equal BFCL's executor."""
     _, utils = bfcl._multi_turn()
     for i, t in enumerate(all_tasks[cat]):
-        tr = bfcl.reference_trajectory(t, with_observations=True)
+        tr = bfcl.ground_truth_trajectory(t, with_observations=True)
         s = bfcl.score(t, tr)
         assert s.reward == 1.0, (t.id, s.components)
         if i < 20:

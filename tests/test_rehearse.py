@@ -228,7 +228,7 @@ def test_warm_start_examples_are_laid_out_as_test_time_rehearsal(eng, micro64, s
     from bench import toyworld
     _, tok = micro64
     task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
-    messages = toyworld.reference_trajectory(task)
+    messages = toyworld.reference_messages(task)
     assess_ex, memory_ex = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env,
                                                         random.Random(seed), budgets=(1,))
     proposal, assessment = _spans(*assess_ex, Role.ACT)
@@ -279,7 +279,7 @@ def test_self_memory_holds_the_models_own_predictions_judged_by_the_rule(eng, mi
     from bench import toyworld
     _, tok = micro64
     task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
-    messages = toyworld.reference_trajectory(task)
+    messages = toyworld.reference_messages(task)
     ref_args = toyworld.gold_calls(task)[0]["arguments"]
     forced = ['{"error": "unknown account: zzz"}', '{"balance": 777}', '{"balance": 5}', '{"error": "nope"}']
     steer = Script(tok, {}, {k: [[text + "\n</tool_response>"]] for k, text in enumerate(forced)})
@@ -313,7 +313,7 @@ def test_self_memory_predicts_what_test_time_rehearsal_writes(eng, micro64):
     cfg = SamplingConfig(greedy=True, max_new_tokens=80, max_world_tokens=12, seed=0)
     for seed in (0, 3):
         task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
-        messages = toyworld.reference_trajectory(task)
+        messages = toyworld.reference_messages(task)
         assess_ex, memory_ex = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env,
                                                             random.Random(seed), budgets=(1,), memory="self",
                                                             sampling=cfg)

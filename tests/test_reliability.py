@@ -584,7 +584,7 @@ def test_repeated_non_finite_steps_stop_the_run_with_exit_1(micro_path, tmp_path
     run = tmp_path / "blowup"     # lr 1e30: the first update makes the weights huge, every later loss NaN
     res = run_train(tiny_args(micro_path, run, sft=6, steps=1, extra=["--sft-lr", "1e30", "--max-bad-steps", "2"]))
     assert res.returncode == 1, res.stderr
-    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    errors = [l for l in res.stderr.splitlines() if l.startswith("train.py: error:")]
     assert len(errors) == 1 and "2 consecutive steps" in errors[0] and "--lr" in errors[0], res.stderr
     recs = metrics_of(run)
     assert [x["skipped_update"] for x in recs][-2:] == [True, True] and len(recs) < 7
@@ -835,7 +835,7 @@ def test_out_of_memory_names_the_flags_that_reduce_memory(micro_path, tmp_path, 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     monkeypatch.setattr(rollout.Engine, "run", oom)
     res = run_train(tiny_args(micro_path, tmp_path / "oom", sft=1, steps=1))
-    lines = [l for l in error_lines(res.stderr) if l.startswith("error")]
+    lines = [l for l in error_lines(res.stderr) if l.startswith("train.py: error")]
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     for flag in ("--micro-batch", "--group-size", "--max-new-tokens", "--max-total-len", "--chunk-size"):
         assert flag in lines[0]

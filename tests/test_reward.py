@@ -48,7 +48,7 @@ def test_fidelity_per_tool_replays_the_calls_in_order_on_hand_made_trajectories(
 
 def test_checklist_reward_is_the_fraction_met_and_success_is_kept():
     task = afford_task()
-    gold = tw.trajectory_from_messages(task, tw.reference_trajectory(task), rehearsed=True)
+    gold = tw.trajectory_from_messages(task, tw.reference_messages(task), rehearsed=True)
     half = Trajectory(task_id=task.id, messages=gold.messages, calls=gold.calls[:2], observations=[],
                       final_answer=gold.final_answer)   # the purchase missing: 3 of 5 items
     s = reward.trajectory_reward("toyworld", task, half, kind="checklist")

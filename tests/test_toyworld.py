@@ -10,7 +10,7 @@ from bench import toyworld as tw
 
 
 def traj_of(task, messages=None, **kw):
-    return tw.trajectory_from_messages(task, messages or tw.reference_trajectory(task), **kw)
+    return tw.trajectory_from_messages(task, messages or tw.reference_messages(task), **kw)
 
 
 def state_names(task):
@@ -116,7 +116,7 @@ def test_holdout_names():
     tr = tw.load_tasks("train", limit=1500, holdout="names")
     te = tw.load_tasks("test", limit=300, holdout="names")
     for t in tr:
-        text = json.dumps(tw.reference_trajectory(t))
+        text = json.dumps(tw.reference_messages(t))
         for n in tw.HELD_NAMES + tw.HELD_ITEMS:
             assert f"{n} " not in text and f"\"{n}\"" not in text and f"{n}'" not in text, (t.id, n)
     for t in te:
@@ -186,7 +186,7 @@ def test_corrupted_trajectories_score_zero(train):
 
 
 def _gold_obs(task):
-    return [m["content"] for m in tw.reference_trajectory(task) if m["role"] == "tool"]
+    return [m["content"] for m in tw.reference_messages(task) if m["role"] == "tool"]
 
 
 def test_require_reads_off_allows_skipping_lookups():

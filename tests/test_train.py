@@ -214,7 +214,7 @@ def test_bad_input_exits_2_with_one_clear_line_and_overwrites_nothing(micro_path
     for args, msg in cases:
         res = run_train(["--out", str(tmp_path / "r"), *args])
         assert res.returncode == 2, (args, res.stderr)
-        lines = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        lines = [l for l in res.stderr.splitlines() if l.startswith("train.py: error:")]
         assert len(lines) == 1 and msg in lines[0], (args, res.stderr)
     res = run_train(["--group-size", "x"])
     assert res.returncode == 2 and "invalid int value" in res.stderr
@@ -255,7 +255,7 @@ def test_world_response_tools_name_every_world_stretch_in_every_warm_start_layou
     model, tok = policy.load_policy(str(micro_path))
     engine = rollout.Engine(model, tok)
     task = afford_task()
-    ref = tw.reference_trajectory(task)
+    ref = tw.reference_messages(task)
     world = tw.world_examples(task, _random.Random(3), 4)
     layouts = [(rollout.encode_conversation(engine, task, m), m) for m in (ref, world)]
     layouts += [(ex, None) for ex in rehearse.warm_start_examples(engine, task, ref, tw.make_env, _random.Random(1))]
@@ -282,7 +282,7 @@ def test_skipped_tools_responses_carry_no_warm_start_loss(micro_path):
     model, tok = policy.load_policy(str(micro_path))
     engine = rollout.Engine(model, tok)
     task = afford_task()
-    ids, roles = rollout.encode_conversation(engine, task, tw.reference_trajectory(task))
+    ids, roles = rollout.encode_conversation(engine, task, tw.reference_messages(task))
     skipped = train.without_world_loss(engine, task, ids, roles, frozenset({"get_price"}))
     price = next((s, e) for s, e, n in train.world_response_tools(engine, task, ids, roles) if n == "get_price")
     assert '"price"' in tok.decode(ids[price[0]:price[1]])
