@@ -69,7 +69,7 @@ def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_
     head = model.get_output_embeddings()
     model.set_output_embeddings(torch.nn.Identity())
     try:
-        hidden = model(input_ids=ids, attention_mask=attention_mask).logits             # [B, T, H]
+        hidden = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits   # [B, T, H]
     finally:
         model.set_output_embeddings(head)
     predict = loss_mask[:, 1:]                                                          # token t from state t-1
@@ -261,6 +261,9 @@ class TrainConfig:
     save_every: int = opt(20, "steps between checkpoints")
     keep_checkpoints: int = opt(3, "step_N folders kept (older ones removed after each save); 0 keeps all")
     chunk_size: int = opt(1024, "positions per LM-head chunk in the log-prob pass")
+    activation_checkpointing: str = opt("auto", "recompute each decoder layer in backward instead of keeping its "
+                                                "activations (a 16k-token row of an 8B model keeps ~80 GB without "
+                                                "it); auto: on for a real model, off for tiny", ["auto", "on", "off"])
     max_bad_steps: int = opt(3, "consecutive non-finite steps before the run stops")
     overwrite: bool = opt(False, "replace an existing --out folder")
 
@@ -283,6 +286,8 @@ class TrainConfig:
         c.out = c.out or default_out(c.model, c.bench)
         if c.train_roles == "auto":
             c.train_roles = "act,world" if c.env == "rehearse" else "act"
+        if c.activation_checkpointing == "auto":
+            c.activation_checkpointing = "off" if tiny else "on"
         if c.reward == "auto":
             import reward
             c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
@@ -739,8 +744,9 @@ def grpo_start_snapshot(model, tok, run: Path, d: Dist) -> Path:
     return folder
 
 
-def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = False):
-    """A model from an HF folder, sharded like the policy; frozen (eval, no gradients) unless trainable.
+def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = False, checkpointing: bool = False):
+    """A model from an HF folder, sharded like the policy; frozen (eval, no gradients) unless trainable
+    (then with activation checkpointing when asked, as the policy).
     With `tok` (the policy's tokenizer), a model with another vocabulary is refused: both models read one
     token sequence."""
     import policy
@@ -751,6 +757,8 @@ def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = Fal
     if tok is not None and its_tok.get_vocab() != tok.get_vocab():
         raise ConfigError(f"{what} {folder} has another tokenizer than the policy; both models read one token "
                           "sequence, so they must share the vocabulary")
+    if trainable and checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard(model, d)
     for p in model.parameters():
         p.requires_grad_(trainable)
@@ -1009,6 +1017,8 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     engine = load_engine(str(ckpt) if ckpt else cfg.model, None if ckpt else cfg.chat_template or None,
                          template_kwargs(cfg), cfg.tool_call_format or None, dtype=torch.float32,
                          device=d.device)   # fails early if unusable
+    if cfg.activation_checkpointing == "on":   # only in train mode: rollouts (eval mode) run as before
+        engine.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard(engine.model, d)
     optimizer = make_optimizer(model, cfg)
     world, world_optimizer = None, None
@@ -1017,7 +1027,8 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
         if cfg.world_model == "separate" and start_step > cfg.sft_steps:   # GRPO had begun: both models saved
             if not (ckpt / WORLD_DIR / "config.json").exists():
                 raise CheckpointError(f"{ckpt} has no {WORLD_DIR}/ but its run trains a separate world model")
-            world = load_model(ckpt / WORLD_DIR, d, "the world model", trainable=True)
+            world = load_model(ckpt / WORLD_DIR, d, "the world model", trainable=True,
+                               checkpointing=cfg.activation_checkpointing == "on")
             world_optimizer = make_optimizer(world, cfg)
             load_optimizer_state(world_optimizer, ckpt / f"optim_world_rank{d.rank}.pt")
     sim_model = load_model(Path(cfg.sim_model), d, "--sim-model", tok=engine.tok) if cfg.sim_model else None
@@ -1216,7 +1227,7 @@ def begin_grpo(t: Trainer):
                                                 "the frozen simulator")
     if cfg.world_model == "separate" and t.world is None:
         t.world = load_model(grpo_start_snapshot(t.model, t.engine.tok, t.run, d), d, "the world model",
-                             trainable=True)
+                             trainable=True, checkpointing=cfg.activation_checkpointing == "on")
         t.world_optimizer = make_optimizer(t.world, cfg)
 
 

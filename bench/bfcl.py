@@ -352,7 +352,7 @@ TRAIN_SPLITS = ("train", "dev")   # BFCL has no train split: a fixed half of the
 
 
 def _train_half(task_id: str) -> bool:
-    """Whether a multi-turn entry is in the "train" half (else "dev"): by a hash of its id, fixed forever."""
+    """Whether an entry is in the "train" half (else "dev"): by a hash of its id, fixed forever."""
     import hashlib
     return int(hashlib.md5(f"bfcl-train/{task_id}".encode()).hexdigest(), 16) % 2 == 0
 
@@ -360,15 +360,18 @@ def _train_half(task_id: str) -> bool:
 def load_tasks(split: str = "test", limit: int | None = None, categories=None, system_prompt: str | None = "default",
                underscore_names: bool = False, ids: str | None = None) -> list[Task]:
     """Tasks of the offline categories named by `split` (see the module docstring), in BFCL order. "train" and
-    "dev" are the two halves of the multi-turn categories (by task id; BFCL has no train split): train on
-    "train", evaluate that run on "dev".
+    "dev" are the two halves of the multi-turn categories, or of `categories` when given (by task id; BFCL has
+    no train split): train on "train", evaluate that run on "dev".
 
     limit: at most this many tasks per category. ids: a comma list of task ids to keep (e.g. one short task). system_prompt: "default" prepends BFCL's classic instructions
     (persona, task, multi-turn behaviour; not its text-format rules, since calls are native tool calls), None keeps
     only the question's own system message (BFCL's FC mode exactly), any other string is used as given.
     """
-    half = split if split in TRAIN_SPLITS and categories is None else None
-    cats = MULTI_TURN_CATEGORIES if half else resolve_categories(split, categories)
+    half = split if split in TRAIN_SPLITS else None
+    if half:   # the train / dev half of the multi-turn categories, or of the categories named
+        cats = resolve_categories("test", categories) if categories is not None else MULTI_TURN_CATEGORIES
+    else:
+        cats = resolve_categories(split, categories)
     data = _data_dir()
     prompt = _system_prompt() if system_prompt == "default" else system_prompt
     tasks = []

@@ -105,6 +105,8 @@ ARCHS = {
                        num_key_value_heads=8, head_dim=128),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
 }
 QWEN3_VOCAB = 151936
 

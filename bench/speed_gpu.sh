@@ -15,6 +15,8 @@
 # COMPILE=<mode> picks another torch.compile mode. Two warm-up runs per workload pay the compiling; CUDA graphs
 # of shapes first seen in a cell are recorded (and timed) there.
 #   PYTHON=/path/to/python bash bench/speed_gpu.sh
+#   GRPO=1 ARCH=qwen3-4b bash bench/speed_gpu.sh  # then one EnvACE GRPO step through train.py on tau2 airline
+#                                                 # (bench/grpo_step_gpu.py; NPROC=8 for FSDP over 8 GPUs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -36,3 +38,11 @@ if [ -n "${QUICK:-}" ]; then extra+=(--quick); fi
 COMPILE=${COMPILE:-reduce-overhead}
 if [ "$COMPILE" != "0" ]; then extra+=(--compile "$COMPILE"); fi
 "$PYTHON" bench/speed.py --gpu --arch "$ARCH" --out "$OUT" "${extra[@]}" "$@"
+if [ -n "${GRPO:-}" ]; then
+  # one GRPO step at the paper's settings on tau2 airline: 16 tasks x G=4 (TASKS, GROUP to change), bf16 autocast
+  MODEL_DIR=${MODEL_DIR:-runs/grpo_step_gpu/$ARCH}
+  [ -f "$MODEL_DIR/config.json" ] || "$PYTHON" -m bench.grpo_step_gpu --arch "$ARCH" --build "$MODEL_DIR"
+  "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "${NPROC:-1}" -m bench.grpo_step_gpu \
+    --model "$MODEL_DIR" --out "runs/grpo_step_gpu/run-$ARCH" -- --bench tau2 --task-opts domain=airline \
+    --tasks-per-step "${TASKS:-16}" --group-size "${GROUP:-4}" --micro-batch "${MICRO:-4}"
+fi

@@ -131,11 +131,15 @@ def _domain_info(domain: str) -> tuple[str, list[dict], list[dict]]:
 
 
 def _check_domain(domain: str) -> list[str]:
+    """'all', one domain, or a comma list of domains (e.g. 'airline,retail', the paper's training pair)."""
     if domain == "all":
         return list(DOMAINS)
-    if domain not in DOMAINS:
-        raise ValueError(f"unknown tau2 domain {domain!r}; choose one of: {', '.join(DOMAINS)}, all")
-    return [domain]
+    names = [d.strip() for d in str(domain).split(",") if d.strip()]
+    bad = [d for d in names if d not in DOMAINS]
+    if bad or not names:
+        raise ValueError(f"unknown tau2 domain {domain!r}; choose one of: {', '.join(DOMAINS)}, all "
+                         "(or a comma list, e.g. airline,retail)")
+    return list(dict.fromkeys(names))
 
 
 def _tau2_task(task: Task):

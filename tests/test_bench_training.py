@@ -166,6 +166,11 @@ def test_tau2_trains_on_its_own_train_split_and_evaluates_on_test():
     tr, te = tau2.load_tasks("train", domain="airline"), tau2.load_tasks("test", domain="airline")
     assert tr and te and not {t.id for t in tr} & {t.id for t in te}
     assert train.TrainConfig(bench="tau2").resolved().split == "train"
+    both = tau2.load_tasks("train", domain="airline,retail")
+    assert {t.metadata["domain"] for t in both} == {"airline", "retail"}
+    assert len(both) == len(tr) + len(tau2.load_tasks("train", domain="retail"))
+    with pytest.raises(ValueError, match="comma list"):
+        tau2.load_tasks("train", domain="airline,mars")
 
 
 # ------------------------------------------------------------------------------------------ sampling on the device
@@ -209,3 +214,23 @@ def test_device_draws_follow_the_distribution_and_never_pick_a_cut_token():
     freq = counts / counts.sum()
     assert freq[2:].sum() == 0
     assert abs(freq[0] - 0.5 / 0.8) < 0.03 and abs(freq[1] - 0.3 / 0.8) < 0.03
+
+
+def test_activation_checkpointing_gives_the_same_log_probs_and_gradients():
+    import copy
+    model, tok = policy.load_policy("tiny")
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(0)
+    ids = torch.randint(0, len(tok), (2, 40))
+    mask = torch.rand(2, 40) < 0.5
+    grads = []
+    for m in (model.train(), ckpt.train()):
+        logp = train.token_logprobs(m, ids, mask)
+        (logp.sum()).backward()
+        grads.append((logp.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for n in grads[0][1]:
+        torch.testing.assert_close(grads[0][1][n], grads[1][1][n], atol=1e-6, rtol=1e-5)
+    assert train.TrainConfig().resolved().activation_checkpointing == "off"
+    assert train.TrainConfig(model="/ckpt/Qwen3-8B").resolved().activation_checkpointing == "on"

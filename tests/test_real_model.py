@@ -245,3 +245,99 @@ def test_a_gguf_without_the_gguf_package_names_the_install(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "gguf", None)            # what importlib sees when it is not installed
     with pytest.raises(policy.PolicyLoadError, match="pip install gguf"):
         policy.load_policy(str(GGUF))
+
+
+# ---------------------------------------------------------------------------------- GRPO on real benchmarks
+
+BFCL_SHORT = "multi_turn_miss_func_146"   # the shortest multi-turn prompt of BFCL's train half (~2,400 tokens)
+
+
+def _bench_or_skip(name):
+    from bench import BenchUnavailable, load_bench
+    try:
+        return load_bench(name)
+    except (BenchUnavailable, ImportError) as exc:
+        pytest.skip(f"{name} is not installed: {exc}")
+
+
+def first_tool_call(task):
+    """(name, arguments JSON) of a call to the task's tool with the fewest required arguments (the first such),
+    a placeholder for each."""
+    fn = min((t["function"] for t in task.tools), key=lambda f: len(f.get("parameters", {}).get("required", [])))
+    params = fn.get("parameters", {})
+    placeholder = {"string": "x", "integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
+    args = {k: placeholder.get(params.get("properties", {}).get(k, {}).get("type"), "x")
+            for k in params.get("required", [])}
+    return fn["name"], json.dumps(args)
+
+
+def grpo_step_on(bench, call, task_opts, tmp_path, monkeypatch, extra=()):
+    """One GRPO step of SmolLM2 on a real benchmark task, 2 rollouts. SmolLM2-135M does not call tools on its
+    own, so each row's first turn is steered into the template's call text for `call` (the model's logits still
+    score every token); the tool response (WORLD, rehearsed) and later turns are the model's own. Rewards are
+    the benchmark's scorer's, recorded by a spy that changes nothing."""
+    import reward
+    from tests.scripted import Script, call_text
+    real_run, real_reward, scored = rollout.Engine.run, reward.trajectory_reward, []
+
+    def run(self, tasks, group_size=1, cfg=None, *args, **kwargs):
+        name, arguments = call or first_tool_call(tasks[0])
+        acts = {i: [[call_text(name, arguments) + "}\n</tool_call>"], ["Done ", 2]]
+                for i in range(len(tasks) * group_size)}
+        return real_run(self, tasks, group_size, cfg, *args, steer=Script(self.tok, acts), **kwargs)
+
+    def spy(bench_name, task, traj, *args, **kwargs):
+        score = real_reward(bench_name, task, traj, *args, **kwargs)
+        scored.append((bench_name, score.reward))
+        return score
+    monkeypatch.setattr(rollout.Engine, "run", run)
+    monkeypatch.setattr(reward, "trajectory_reward", spy)
+    out = tmp_path / bench
+    res = run_train(["--model", str(policy.resolve_model_path(str(GGUF))), "--chat-template", TEMPLATE,
+                     "--bench", bench, "--task-opts", task_opts, "--out", str(out), "--sft-steps", "0", "--steps", "1",
+                     "--tasks-per-step", "1", "--group-size", "2", "--max-new-tokens", "64", "--max-world-tokens",
+                     "24", "--max-turns", "2", "--kl-coef", "0", "--micro-batch", "1", "--lr", "1e-4",
+                     "--save-every", "1", *extra])
+    (rec,) = metrics_of(out)
+    return res, rec, scored, out
+
+
+def assert_trained_on_real_tokens(res, rec, scored, out, bench, world=True):
+    assert rec["act_tokens"] > 0 and rec["rows"] == 2, rec
+    if world:   # the world role wrote the responses, and its tokens are among the trained ones
+        assert rec["world_tokens"] > 0 and rec["trained_tokens"] >= rec["act_tokens"] + rec["world_tokens"], rec
+    assert [b for b, _ in scored] == [bench, bench]
+    assert rec["reward_mean"] == pytest.approx(sum(r for _, r in scored) / 2)
+    if rec["no_signal"]:      # equal rewards: the step says so, and a run of only such steps exits 1
+        assert rec["flat_groups"] == 1 and res.returncode == 1 and "never updated" in res.stderr, res.stderr[-2000:]
+    else:
+        assert res.returncode == 0, res.stderr[-2000:]
+        start, after = params_of(out / "reference"), params_of(out / "ckpt" / "step_000001")
+        assert any(not torch.equal(start[k], after[k]) for k in start)
+
+
+def test_envace_grpo_step_on_bfcl_multi_turn_with_real_weights(gguf_cache, tmp_path, monkeypatch):
+    _bench_or_skip("bfcl")
+    res, rec, scored, out = grpo_step_on("bfcl", ("get_watchlist", "{}"), f"ids={BFCL_SHORT}", tmp_path, monkeypatch)
+    assert_trained_on_real_tokens(res, rec, scored, out, "bfcl")
+
+
+@pytest.mark.parametrize("env", ["real", "sim"])
+def test_real_and_frozen_simulator_responses_on_bfcl_multi_turn(env, gguf_cache, tmp_path, monkeypatch):
+    """--env real: the environment answers the call (OBS, never trained); --env sim: a frozen copy of the policy
+    writes the response (WORLD tokens that carry no loss: only ACT is trained)."""
+    _bench_or_skip("bfcl")
+    res, rec, scored, out = grpo_step_on("bfcl", ("get_watchlist", "{}"), f"ids={BFCL_SHORT}", tmp_path,
+                                         monkeypatch, ["--env", env])
+    assert_trained_on_real_tokens(res, rec, scored, out, "bfcl", world=False)
+    assert rec["trained_tokens"] == rec["act_tokens"]
+    assert (rec["world_tokens"] > 0) == (env == "sim")
+
+
+@LONG
+@pytest.mark.parametrize("bench,opts", [("tau2", "domain=airline"), ("vita", "domain=delivery"),
+                                        ("finmcp", f"data={ROOT / 'tests' / 'fixtures' / 'finmcp_synthetic.json'}")])
+def test_envace_grpo_step_on_tau2_vita_finmcp_with_real_weights(bench, opts, gguf_cache, tmp_path, monkeypatch):
+    _bench_or_skip(bench)
+    res, rec, scored, out = grpo_step_on(bench, None, opts, tmp_path, monkeypatch)
+    assert_trained_on_real_tokens(res, rec, scored, out, bench)
