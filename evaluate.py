@@ -89,6 +89,10 @@ def build_parser():
     p.add_argument("--num-trials", type=int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
     p.add_argument("--rehearsal-budget", type=int_at_least(0), default=0)
     p.add_argument("--rehearsal-mode", choices=["parallel", "sequential"], default="parallel")
+    p.add_argument("--rehearsal-commit", choices=["checked", "memory"], default="checked",
+                   help="what a rehearsed turn commits: checked (the first proposal whose self-assessment says ok, "
+                        "token for token; a turn regenerated under the rehearsal memory only when none does) or "
+                        "memory (always the regenerated turn)")
     p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
                    help="run these budgets on the same tasks and seeds and print them side by side")
     p.add_argument("--temperature", type=float, default=0.6)
@@ -192,7 +196,8 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
         summary["rehearsal_diagnostics"] = diagnostic_summary(diagnosed)
     st = [r["stats"] for r in records]
     tot = {key: sum(s.get(key, 0) for s in st) for key in
-           ("committed_turns", "committed_calls", "rehearsals", "extra_sampled", "extra_fed", "extra_tokens",
+           ("committed_turns", "committed_calls", "committed_checked", "rehearsals", "extra_sampled", "extra_fed",
+            "extra_tokens",
             "memory_tokens", "seconds", "private_seconds", "fidelity_seconds")}
     turns, calls = tot["committed_turns"], tot["committed_calls"]
     per = lambda x, n: x / n if n else None  # noqa: E731
@@ -277,7 +282,8 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     from rollout import SamplingConfig, describe_row, make_env_fn, model_user_fn
     from tqdm import tqdm
 
-    rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on)
+    rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
+                                    commit=getattr(args, "rehearsal_commit", "checked"))
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
     user_eng = getattr(args, "user_engine", None) or eng
     from bench import settings
@@ -417,7 +423,7 @@ def main(argv=None) -> int:
         records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": str(path)}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
-               "world_model": world,
+               "commit": args.rehearsal_commit, "world_model": world,
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},

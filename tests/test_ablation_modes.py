@@ -180,8 +180,8 @@ def test_resume_of_a_per_role_run_equals_the_uninterrupted_run(micro_path, tmp_p
     (["--env", "sim", "--sim-model", "/no/such/folder"], "--sim-model /no/such/folder: no such file"),
     (["--world-model", "separate", "--env", "real"], "--world-model separate trains a second model"),
     (["--world-model", "separate", "--train-roles", "act"], "--world-model separate trains a second model"),
-    (["--world-model", "twin"], "--world-model must be shared or separate"),
-    (["--env", "simulated"], "--env must be rehearse, real or sim"),
+    (["--world-model", "twin"], "argument --world-model: invalid choice: 'twin'"),
+    (["--env", "simulated"], "argument --env: invalid choice: 'simulated'"),
 ])
 def test_bad_mode_flags_exit_2_with_one_line(micro_path, tmp_path, flags, message):
     res = run_train(["--model", str(micro_path), "--out", str(tmp_path / "r"), *flags])

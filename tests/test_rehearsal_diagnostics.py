@@ -205,12 +205,13 @@ PREDICTED = ['{"balance": 3}\n</tool_response>']
 ANSWER = ["hal has 14"]
 
 
-def run_scripted(eng, tok, mode, private, committed, n_world):
+def run_scripted(eng, tok, mode, private, committed, n_world, commit="memory"):
     task = balance_task()
     script = Script(tok, {0: committed, 1: private}, {1: [PREDICTED] * n_world})
     env = toyworld.make_env(task)
     ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), env,
-             RehearsalConfig(budget=len(private) // 2 if mode == "sequential" else 1, mode=mode), steer=script)
+             RehearsalConfig(budget=len(private) // 2 if mode == "sequential" else 1, mode=mode, commit=commit),
+             steer=script)
     turns = rehearsal_diagnostics(task, ep.trajectory, ep.rehearsals, toyworld.make_env, eng.fmt,
                                   toyworld.gold_calls(task))
     return ep, env, turns
@@ -280,7 +281,7 @@ def test_evaluate_writes_the_scripted_episodes_diagnostics(eng, micro64, tmp_pat
     script = Script(tok, {0: [GOOD, ANSWER], 1: [BAD, [ASSESS_OK], ANSWER]}, {1: [PREDICTED]})
     act_many = rehearse.act_many
     monkeypatch.setattr(rehearse, "act_many", lambda *a, **kw: act_many(*a, steer=script, **kw))
-    args = types.SimpleNamespace(world_engine=None, rehearsal_mode="parallel", temperature=0.6, top_p=0.95, greedy=True, seed=0,
+    args = types.SimpleNamespace(world_engine=None, rehearsal_mode="parallel", rehearsal_commit="memory", temperature=0.6, top_p=0.95, greedy=True, seed=0,
                                  num_trials=1, max_new_tokens=80, max_world_tokens=32, max_turns=8,
                                  max_total_len=2048, max_rows=None, user_engine=None)
     path = tmp_path / "traj.jsonl"
@@ -294,3 +295,46 @@ def test_evaluate_writes_the_scripted_episodes_diagnostics(eng, micro64, tmp_pat
     s = evaluate.summarize("toyworld", records, 1)["rehearsal_diagnostics"]
     assert s["assess_agree_rate"] == 0.0 and s["changed_rate"] == 1.0 and s["helped_rate"] == 1.0
     assert s["verdict_vs_outcome"] == {"ok/error": 1}
+
+
+# ---------------------------------------------------------------------- commit what was checked (the default)
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_a_proposal_judged_ok_is_committed_token_for_token(eng, micro64, mode):
+    """B=1 and B=2: the first proposal's assessment says ok, so its own tokens are the committed turn (the
+    committed-row script, which would call with a bad account, is never asked)."""
+    _, tok = micro64
+    for budget in (1, 2):
+        private = [GOOD, [ASSESS_OK], ANSWER] + ([BAD, [ASSESS_OK], ANSWER] if budget == 2 else [])
+        task = balance_task()
+        script = Script(tok, {0: [BAD, ANSWER], 1: private, 2: private[3:]}, {1: [PREDICTED] * 2, 2: [PREDICTED]})
+        env = toyworld.make_env(task)
+        n = budget if mode == "parallel" else 1
+        ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), env,
+                 RehearsalConfig(budget=budget, mode=mode), steer=script)
+        first = ep.rehearsals[0][0]
+        committed_turn = ep.rollout.ids[0, :].tolist()
+        start = next(i for i in range(len(committed_turn)) if committed_turn[i:i + len(first["tokens"])] ==
+                     first["tokens"])
+        assert committed_turn[start:start + len(first["tokens"])] == first["tokens"]
+        assert [c.arguments for c in ep.trajectory.calls] == [{"account": "hal"}]
+        assert ep.trajectory.observations == ['{"balance": 14}']
+        assert ep.stats["committed_checked"] == 1 and ep.stats["memory_tokens"] == 0, (budget, n)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_every_proposal_judged_failing_triggers_the_memory_conditioned_turn(eng, micro64, mode):
+    _, tok = micro64
+    ep, _, _ = run_scripted(eng, tok, mode, [BAD, [ASSESS_ERROR], ANSWER], [GOOD, ANSWER], 1, commit="checked")
+    assert ep.stats["committed_checked"] == 0 and ep.stats["memory_tokens"] > 0
+    assert ep.trajectory.observations == ['{"balance": 14}']          # the regenerated (committed-row) call
+
+
+def test_the_memory_flag_restores_the_regenerated_commit_even_when_judged_ok(eng, micro64):
+    _, tok = micro64
+    ep, _, _ = run_scripted(eng, tok, "parallel", [BAD, [ASSESS_OK], ANSWER], [GOOD, ANSWER], 1, commit="memory")
+    assert ep.stats["committed_checked"] == 0 and ep.trajectory.observations == ['{"balance": 14}']
+    ep, _, _ = run_scripted(eng, tok, "parallel", [BAD, [ASSESS_OK], ANSWER], [GOOD, ANSWER], 1, commit="checked")
+    assert ep.stats["committed_checked"] == 1 and ep.trajectory.observations == ['{"error": "unknown account: zed"}']
+    with pytest.raises(ValueError, match="rehearsal commit"):
+        RehearsalConfig(commit="sometimes")
