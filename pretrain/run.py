@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=PretrainConfig.batch)
     ap.add_argument("--lr", type=float, default=PretrainConfig.lr)
     ap.add_argument("--save-every", type=int, default=PretrainConfig.save_every)
+    ap.add_argument("--probe-tasks", type=int, default=PretrainConfig.probe_tasks,
+                    help="held-out tables the lookup probe reads at each save (0: no probe)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (one job per core)")
     ap.add_argument("--export", default="", metavar="DEST", help="only write the latest checkpoint to DEST (bf16)")
@@ -156,7 +158,8 @@ def main(argv=None) -> int:
         start = state["step"]
         source = out / "ckpt"
     else:
-        cfg = PretrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, save_every=args.save_every)
+        cfg = PretrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, save_every=args.save_every,
+                             probe_tasks=args.probe_tasks)
         source = policy.ensure_tiny()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).train()
@@ -194,14 +197,15 @@ def main(argv=None) -> int:
         if (step + 1) % cfg.save_every == 0 or step + 1 == until:
             save_checkpoint(out, step + 1, model, tok, optimizer, cfg)
             shutil.copy(out / "tiny_recipe.json", out / "ckpt" / "tiny_recipe.json")
-            record["probe"] = probe(out / "ckpt", cfg.probe_tasks)
             now = time.perf_counter()
             record["seconds_since_last_save"] = round(now - t_last, 1)
-            t_last = now
-            bal, price = record["probe"]["get_balance"], record["probe"]["get_price"]
-            tqdm.write(f"step {step + 1}: loss {record['loss']:.3f} | get_balance exact {bal['exact']:.2f} "
-                       f"blind {bal['argument_blind']:.2f} | get_price exact {price['exact']:.2f} "
-                       f"blind {price['argument_blind']:.2f}")
+            if cfg.probe_tasks:
+                record["probe"] = probe(out / "ckpt", cfg.probe_tasks)
+                bal, price = record["probe"]["get_balance"], record["probe"]["get_price"]
+                tqdm.write(f"step {step + 1}: loss {record['loss']:.3f} | get_balance exact {bal['exact']:.2f} "
+                           f"blind {bal['argument_blind']:.2f} | get_price exact {price['exact']:.2f} "
+                           f"blind {price['argument_blind']:.2f}")
+            t_last = time.perf_counter()
         log.write(json.dumps(record) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{record['loss']:.3f}")

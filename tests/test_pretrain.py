@@ -1,0 +1,100 @@
+"""The tiny model's pretraining data (pretrain/data.py) and its resumable loop (pretrain/run.py)."""
+import json
+import random
+
+import pytest
+import torch
+
+import chat_format
+import policy
+from bench import toyworld
+from pretrain import data, run
+
+
+@pytest.fixture(scope="module")
+def fmt():
+    _, tok = policy.load_policy("tiny")
+    return chat_format.derive_chat_format(tok)
+
+
+@pytest.fixture(scope="module")
+def held():
+    return data.HeldOut()
+
+
+def test_documents_are_a_pure_function_of_seed_step_and_row(fmt, held):
+    cfg = data.DataConfig()
+    a = [data.document(fmt, 0, 5, r, cfg, held) for r in range(6)]
+    b = [data.document(fmt, 0, 5, r, cfg, held) for r in range(6)]
+    assert a == b and a != [data.document(fmt, 1, 5, r, cfg, held) for r in range(6)]
+    assert {k for _, _, k in (data.document(fmt, 0, s, 0, cfg, held) for s in range(60))} == set(data.KINDS)
+
+
+def test_world_documents_carry_the_real_responses_of_their_calls(held):
+    cfg = data.DataConfig()
+    for i in range(200):
+        messages, _ = data.world_document(random.Random(i), cfg, held)
+        table = messages[0]["content"].split("\n")[1:]
+        balances = dict((n, int(v)) for n, v in (x.split() for x in table[0][len("Accounts: "):].split(", ")))
+        shop = [x.split(" costs ") for x in table[1][len("Shop: "):].split(", ")]
+        prices = {name: int(rest.split(" ")[0]) for name, rest in shop}
+        stock = {name: int(rest.split("(")[1].split(" ")[0]) for name, rest in shop}
+        env = toyworld.ToyEnv(balances, prices, stock)
+        calls = [m for m in messages if m["role"] == "assistant"]
+        responses = [m["content"] for m in messages if m["role"] == "tool"]
+        assert len(calls) == len(responses) >= cfg.min_calls
+        for call, response in zip(calls, responses):
+            f = call["tool_calls"][0]["function"]
+            assert env.step(f["name"], f["arguments"]) == response
+        assert cfg.min_accounts <= len(balances) <= cfg.max_accounts
+
+
+def test_no_training_table_is_a_held_out_test_table(held, monkeypatch):
+    test_task = toyworld.load_tasks("test", limit=1)[0]
+    w = test_task.metadata["world"]
+    assert data.table_key(w["balances"], w["prices"], w["stock"]) in held
+    draws = iter([(w["balances"], w["prices"], w["stock"])])
+    real = data.random_table
+    monkeypatch.setattr(data, "random_table", lambda rng, cfg: next(draws, None) or real(rng, cfg))
+    messages, _ = data.world_document(random.Random(0), data.DataConfig(), held)
+    assert not messages[0]["content"].endswith(toyworld._system_text(w["balances"], w["prices"], w["stock"], True)
+                                               .split("\n", 1)[1])
+    monkeypatch.undo()
+    for i in range(3000):
+        assert data.table_key(*data.random_table(random.Random(i), data.DataConfig())) not in held
+
+
+def test_the_loss_falls_on_what_the_policy_writes_never_on_the_table(fmt, held):
+    messages, tools = data.world_document(random.Random(3), data.DataConfig(), held)
+    ids, mask = data.encode_world(fmt, messages, tools)
+    tok = fmt.tok
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    for m in messages:
+        if m["role"] == "tool":
+            assert m["content"] in trained
+    assert "Accounts:" not in trained and "Accounts:" in tok.decode(ids)
+    ids, mask = data.encode_pairs(tok, data.arith_lines(random.Random(0)))
+    assert "=" not in tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_targets_are_the_next_token_where_the_mask_is_set():
+    ids, attn, targets = run.collate([([5, 6, 7, 8], [0, 0, 1, 1], "x"), ([9, 10], [0, 1], "y")], 0, "cpu")
+    assert targets.tolist() == [[-100, 7, 8, -100], [10, -100, -100, -100]]
+    assert attn.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def test_a_resumed_piece_equals_the_uninterrupted_run(tmp_path):
+    common = ["--steps", "6", "--save-every", "2", "--probe-tasks", "0", "--batch", "2"]
+    assert run.main(["--out", str(tmp_path / "full"), *common]) == 0
+    assert run.main(["--out", str(tmp_path / "part"), *common, "--until", "4"]) == 0
+    assert run.main(["--out", str(tmp_path / "part")]) == 0          # the saved config continues to 6
+    full = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    part = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in part] == list(range(1, 7))
+    for a, b in zip(full, part):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["tokens"] == b["tokens"]
+    from safetensors.torch import load_file
+    wa = load_file(str(tmp_path / "full" / "ckpt" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "part" / "ckpt" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
