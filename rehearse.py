@@ -808,14 +808,19 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
 
 def _close(eng, row: Row, ep: Episode, seconds: float) -> Episode:
     stats = ep.stats
-    stats["seconds"] = seconds
     for key in ("act_sampled", "act_fed", "private_sampled", "private_fed", "fidelity_sampled", "fidelity_fed"):
         stats.setdefault(key, 0)
+    # seconds: this episode's share of the batch's step times (the steps split by tokens fed or sampled), so
+    # the episodes of one batch add up to its wall time; wall_seconds: from its start to its end (overlapping)
+    stats["wall_seconds"] = seconds
+    stats["seconds"] = stats["act_seconds"] + stats["private_seconds"] + stats["fidelity_seconds"]
     stats["committed_calls"] = len(row.traj.calls)
     # extra work over plain acting on the same committed sequence, which samples each ACT token once and
-    # feeds each cached committed token once (fidelity probes are reported apart)
-    stats["extra_sampled"] = stats["act_sampled"] + stats["private_sampled"] - row.roles.count(int(Role.ACT))
-    stats["extra_fed"] = stats["act_fed"] + stats["private_fed"] - row.n_cached
+    # feeds each committed token once (fidelity probes are reported apart): the private branches' tokens, the
+    # memory fed before a regenerated turn and the committed tokens fed again after it. A prompt head shared
+    # by several tasks is prefilled once and charged once, to the first task's act bucket: never extra.
+    stats["extra_sampled"] = max(0, stats["act_sampled"] + stats["private_sampled"] - row.roles.count(int(Role.ACT)))
+    stats["extra_fed"] = stats["private_fed"] + stats["memory_tokens"] + stats["refed_tokens"]
     stats["extra_tokens"] = stats["extra_sampled"] + stats["extra_fed"]
     ep.rollout = eng.collect([row], {k: v for k, v in stats.items()})
     return ep

@@ -70,3 +70,22 @@ def test_specs_must_share_their_sampling_config(eng):
     runs[1].cfg.max_new_tokens = 7
     with pytest.raises(ValueError, match="differ only in their seeds"):
         act_many(eng, runs)
+
+
+@pytest.mark.parametrize("budget", [0, 2])
+def test_cost_figures_add_up_in_a_batch_sharing_a_prompt_head(eng, budget):
+    """Toy-world prompts share a 64+-token head (system prompt and tools), prefilled once for the batch:
+    extra tokens are never negative (0 at B=0), and the episodes' seconds add up to the batch's wall time."""
+    import time
+    runs = specs(6, greedy=False)
+    t0 = time.perf_counter()
+    eps = act_many(eng, runs, RehearsalConfig(budget=budget))
+    wall = time.perf_counter() - t0
+    for ep in eps:
+        assert ep.stats["extra_fed"] >= 0 and ep.stats["extra_sampled"] >= 0
+        assert ep.stats["wall_seconds"] >= ep.stats["seconds"] > 0
+        if budget == 0:
+            assert ep.stats["extra_tokens"] == 0
+    assert sum(ep.stats["seconds"] for ep in eps) <= wall
+    assert sum(ep.stats["seconds"] for ep in eps) >= 0.5 * wall
+    assert sum(ep.stats["wall_seconds"] for ep in eps) > wall     # lifetimes overlap: not a cost

@@ -238,7 +238,7 @@ def test_warm_start_examples_are_laid_out_as_test_time_rehearsal(eng, micro64, s
     script = Script(tok, {0: [[committed[:-1]], ["done"]], 1: [[proposal[:-1]], [assessment[:-1]]]},
                     {1: [[world]]})
     ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), toyworld.make_env(task),
-             RehearsalConfig(budget=1, mode="sequential"), steer=script)
+             RehearsalConfig(budget=1, mode="sequential", commit="memory"), steer=script)
     assert ep.stats["rehearsals"] >= 1
     # every private row's whole token sequence, as it ended: the branch, then the memory-prefixed committed turn
     assert ep.private_contexts[0] == assess_ex[0]
