@@ -16,7 +16,7 @@ import torch
 
 from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
                          validate_rehearsal)
-from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, derive_seed,
+from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed,
                      encode_conversation)
 
 # ==========================================================================================================
@@ -655,7 +655,7 @@ class Rehearser:
             ln.record["tokens"], ln.record["logprobs"] = list(gen_ids), list(ln.logprobs[ln.gen_start:])
             ln.record["terminated"] = stopped
             text = self._decode(gen_ids[:-1] if stopped else gen_ids)
-            parsed = fmt.parse(text, self.task.tools)
+            parsed = fmt.parse(text, current_tools(parent))     # the tools revealed so far (BFCL miss_func)
             ln.record["raw"], ln.record["content"] = text, parsed.content
             if not stopped or not parsed.items:
                 return                                   # an answer (or a cut-off turn): nothing to rehearse

@@ -798,7 +798,7 @@ class Engine:
         gen_ids = row.ids[row.gen_start:]
         row.gen = None
         text = self.tok.decode(gen_ids[:-1] if terminated else gen_ids, skip_special_tokens=False)
-        parsed = fmt.parse(text, row.task.tools)
+        parsed = fmt.parse(text, current_tools(row))
         call_index = {}
         for k, item in enumerate(parsed.items):
             if isinstance(item, ToolCall):
@@ -1193,6 +1193,13 @@ def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
         return last.get("content", "")
 
     return user_fn
+
+
+def current_tools(row) -> list[dict]:
+    """The tools a row's calls are parsed against: its environment's list where it keeps one (BFCL miss_func
+    adds the held-out function at a later user turn, announced in that user message), else the task's."""
+    tools = getattr(row.env, "tools", None) if row.env is not None else None
+    return tools if isinstance(tools, list) and tools else row.task.tools
 
 
 def make_env_fn(bench, user_fn=None):

@@ -416,3 +416,53 @@ def test_checklist_items_are_the_gold_calls(all_tasks, cat):
         if cat == "multi_turn_base":   # answering the wrong user turn earns nothing for the later turns
             flat = [ToolCall(c.name, c.arguments, 0, 0) for c in calls]
             assert [met for _, met in bfcl.checklist(t, traj(t, flat))] == [c.user_turn == 0 for c in calls]
+
+
+@pytest.fixture(scope="module")
+def long_context_micro(tmp_path_factory):
+    """The tests' micro model with room for BFCL multi-turn prompts (positions to 32k; steered, so its random
+    weights never choose a token)."""
+    import dataclasses
+
+    import policy
+    from tests.conftest import MICRO
+    path = policy.build_tiny(tmp_path_factory.mktemp("micro-long") / "model",
+                             dataclasses.replace(MICRO, max_position_embeddings=32768))
+    return policy.load_policy(str(path))
+
+
+def _steered_reference(engine, task):
+    """A Script whose row 0 writes the task's reference chat: each reference call as one assistant turn in the
+    template's call text, then a closing text per user turn."""
+    import json
+
+    from tests.scripted import Script
+    turns = []
+    for m in bfcl.reference_messages(task)[len(task.messages):]:
+        if m["role"] != "assistant":
+            continue
+        if m.get("tool_calls"):
+            f = m["tool_calls"][0]["function"]
+            turns.append([f"<tool_call>\n{json.dumps({'name': f['name'], 'arguments': f['arguments']})}\n</tool_call>"])
+        else:
+            turns.append([m["content"]])
+    return Script(engine.tok, {0: turns})
+
+
+@needs_bfcl
+def test_a_miss_func_ground_truth_passes_end_to_end_through_the_rollout(long_context_micro):
+    """The held-out function is revealed at a later user turn; the ground truth calls it. The engine parses
+    that call against the tools revealed so far (the environment's list), so it is executed and BFCL's checker
+    passes the entry."""
+    import rollout
+    model, tok = long_context_micro
+    engine = rollout.Engine(model.eval(), tok)
+    (task,) = bfcl.load_tasks("multi_turn_miss_func", ids="multi_turn_miss_func_1")
+    held = {t["function"]["name"] for tools in task.metadata["held_out_tools"].values() for t in tools}
+    assert held & {c.name for c in bfcl.reference_calls(task)} == {"mv"}
+    cfg = rollout.SamplingConfig(greedy=True, max_new_tokens=96, max_turns=30, max_total_len=32768)
+    ro = engine.run([task], 1, cfg, make_env=bfcl.make_env, responses="real", steer=_steered_reference(engine, task))
+    traj = ro.trajectories[0]
+    assert [c.name for c in traj.calls] == [c.name for c in bfcl.reference_calls(task)], traj.errors
+    assert not [e for e in traj.errors if e.startswith("unknown_tool")]
+    assert bfcl.score(task, traj).reward == 1.0
