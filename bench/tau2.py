@@ -380,9 +380,12 @@ def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
     stats = {"agent_calls": 0, "user_calls": 0, "errors": 0, "dropped": 0}
     counter = [0]
 
+    failed = {"assistant": [], "user": []}   # per call, in trajectory order: did tau2 answer with an error
+
     def emit(calls, requestor):
         for name, args in calls:
             tc, obs = _run_call(env, name, args, requestor, f"call_{counter[0] + 1}")
+            failed[requestor].append(obs.startswith("Error"))
             if tc is None:
                 stats["dropped"] += 1   # not a call tau2 could represent; it could change nothing
                 continue
@@ -408,14 +411,68 @@ def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
             out.append(m.AssistantMessage(role="assistant", content=content))
     for turn in sorted(by_turn):   # calls whose user_turn has no user message: keep their order, at the end
         emit(by_turn[turn], "assistant")
+    stats["failed_calls"] = failed
     return out, stats
+
+
+MAX_STEPS = 200     # tau2.config DEFAULT_MAX_STEPS: the Orchestrator's step limit (tau2 run's default) ...
+MAX_ERRORS = 10     # ... and DEFAULT_MAX_ERRORS: tool errors (agent's and user's) before it ends the simulation
+
+
+def orchestrator_ending(task: Task, traj: Trajectory, failed: dict) -> str | None:
+    """How tau2's Orchestrator (tau2/orchestrator/orchestrator.py, run()/step()) would have ended this
+    trajectory early: "too_many_errors" or "max_steps", else None. Its rules: every message sent is a step
+    (the user's, the agent's, and the environment's answer to one message of calls, however many calls);
+    every tool response with an error counts (several in one parallel message, the user's device calls too);
+    after a step whose next receiver is not the environment, step_count >= max_steps ends it with MAX_STEPS,
+    then num_errors >= max_errors with TOO_MANY_ERRORS (the later check wins). Its evaluator scores any
+    ending but a user or agent stop 0. failed: per requestor, whether each call's replayed response erred."""
+    agent_err, user_err = iter(failed["assistant"]), iter(failed["user"])
+    steps, errors, ending = 1, 0, None            # step 1: the user's opening message (the greeting is no step)
+
+    def check():
+        nonlocal ending
+        if steps >= MAX_STEPS:
+            ending = "max_steps"
+        if errors >= MAX_ERRORS:
+            ending = "too_many_errors"
+        return ending
+
+    if check():
+        return ending
+    for msg in traj.messages[len(task.messages):]:
+        role = msg.get("role")
+        if role == "assistant":
+            steps += 1
+            calls = msg.get("tool_calls") or []
+            if calls:                              # to the environment: no check until it answers
+                steps += 1
+                errors += sum(next(agent_err, False) for _ in calls)
+            if check():
+                return ending
+        elif role == "user":
+            for _ in msg.get("user_tool_calls") or []:   # one device call, one answer each
+                steps += 2
+                errors += next(user_err, False)
+                if check():
+                    return ending
+            steps += 1
+            if check():
+                return ending
+    return None
 
 
 def score(task: Task, traj: Trajectory) -> Score:
     t2 = _tau2()
     t2_task = _tau2_task(task)
     messages, stats = _tau2_messages(task, traj)
+    failed = stats.pop("failed_calls")
     crit = t2_task.evaluation_criteria
+    ended_early = orchestrator_ending(task, traj, failed)
+    if ended_early is not None:   # the Orchestrator would have stopped here; its evaluator gives 0
+        return Score(reward=0.0, components={"completed": False, "end_reason": ended_early,
+                                             "note": f"Simulation terminated prematurely. Termination reason: "
+                                                     f"{ended_early}", **stats})
     completed = traj.end_reason in COMPLETED_END_REASONS
     has_nl = bool(crit is not None and crit.nl_assertions)
     nl_in_basis = crit is not None and t2.RewardType.NL_ASSERTION in crit.reward_basis

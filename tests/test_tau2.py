@@ -305,3 +305,44 @@ def test_checklist_is_gold_actions_and_the_db_check(tasks):
     # rehearsed observations play no part
     noisy = replace(gt, observations=['{"made": "up"}'] * len(gt.calls), rehearsed=[True] * len(gt.calls))
     assert tau2.checklist(t, noisy) == items
+
+
+# -- the Orchestrator's run limits (tau2/orchestrator/orchestrator.py run(): max_errors 10, max_steps 200;
+#    tau2/evaluator/evaluator.py evaluate_simulation: 0 unless the ending is a user or agent stop)
+
+def _with_failing_calls(task, gt, per_message: list[int]):
+    """The ground truth, preceded by assistant messages each holding n failing calls (an unknown user id)."""
+    bad = ToolCall("get_user_details", {"user_id": "nobody_0000"}, turn=0, user_turn=0)
+    head, calls = [], []
+    for n in per_message:
+        head += [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": bad.name, "arguments": bad.arguments}}] * n}]
+        head += [{"role": "tool", "content": "Error: User not found"}] * n
+        calls += [bad] * n
+    k = len(task.messages)
+    return replace(gt, messages=gt.messages[:k] + head + gt.messages[k:], calls=calls + list(gt.calls),
+                   observations=["Error"] * len(calls) + list(gt.observations),
+                   rehearsed=[False] * len(calls) + list(gt.rehearsed))
+
+
+@pytest.mark.parametrize("per_message,official", [([10], 0.0), ([5, 5], 0.0), ([3, 3, 3], 1.0), ([9], 1.0)])
+def test_ten_tool_errors_end_the_simulation_as_the_orchestrator_does(tasks, per_message, official):
+    t = next(x for x in tasks["airline"] if x.metadata["tau2_id"] == "1")
+    gt = tau2.ground_truth_trajectory(t)
+    assert tau2.score(t, gt).reward == 1.0
+    s = tau2.score(t, _with_failing_calls(t, gt, per_message))
+    assert s.reward == official, s.components
+    if official == 0.0:
+        assert s.components["end_reason"] == "too_many_errors"
+
+
+def test_the_step_limit_ends_a_long_simulation(tasks):
+    t = next(x for x in tasks["airline"] if x.metadata["tau2_id"] == "1")
+    gt = tau2.ground_truth_trajectory(t)
+    chatter = [{"role": "assistant", "content": "One moment."}, {"role": "user", "content": "Sure."}]
+    k = len(t.messages)
+    long = replace(gt, messages=gt.messages[:k] + chatter * 99 + gt.messages[k:])
+    assert tau2.orchestrator_ending(t, long, {"assistant": [False] * len(gt.calls), "user": []}) == "max_steps"
+    assert tau2.score(t, long).reward == 0.0
+    short = replace(gt, messages=gt.messages[:k] + chatter * 90 + gt.messages[k:])
+    assert tau2.score(t, short).reward == 1.0
