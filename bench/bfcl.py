@@ -622,8 +622,103 @@ def decoded_turns(task: Task, traj: Trajectory) -> tuple[list[list[list[str]]], 
     return turns, None
 
 
+# ---------------------------------------------------------------------------------------------- raw text
+# BFCL scores the model's raw text, decoded by the handler of its model family: for Qwen3 FC (the hermes
+# <tool_call> format) QwenFCHandler (bfcl_eval/model_handler/local_inference/qwen_fc.py: decode_ast :24,
+# decode_execute :36, _extract_tool_calls :294, the regex <tool_call>\n(.*?)\n</tool_call> then json.loads,
+# undecodable matches dropped). Unlike the engine's parser it keeps unknown function names and calls missing
+# required arguments (the checker judges them), and refuses what the engine's parser accepts (tags without a
+# newline inside, arguments as a JSON string, "parameters" for "arguments"). When a trajectory carries the raw
+# text of every assistant turn in that format, score() decodes those texts as BFCL does; else it scores the
+# engine's parsed calls (hand-made trajectories, other call formats).
+
+OFFICIAL_DECODER_FORMATS = {"hermes"}
+
+
+def _qwen_fc_handler():
+    """BFCL's own Qwen3 FC handler, only for its decode_ast / decode_execute (they read no instance state)."""
+    try:
+        from bfcl_eval.model_handler.local_inference.qwen_fc import QwenFCHandler
+    except ImportError as exc:
+        raise BenchUnavailable(f"BFCL's Qwen FC decoder cannot be imported ({exc}); install the decoder's "
+                               f"imports: pip install --no-deps -r requirements-bench.txt") from exc
+    return QwenFCHandler.__new__(QwenFCHandler)
+
+
+def raw_turns(task: Task, traj: Trajectory) -> list[tuple[int, str]] | None:
+    """(user turn, raw text) of every assistant turn, the text after any thinking block (BFCL's
+    _parse_query_response_prompting keeps what follows </think>); None unless every assistant turn has its raw
+    text in a format BFCL's matching handler decodes."""
+    out, u = [], 0
+    for m in traj.messages[len(task.messages):]:
+        if m.get("role") == "user":
+            u += 1
+        elif m.get("role") == "assistant":
+            if "raw" not in m or m.get("call_format") not in OFFICIAL_DECODER_FORMATS:
+                return None
+            out.append((u, m["raw"].split("</think>")[-1].lstrip("\n")))
+    return out if out else None
+
+
+def official_decoded_turns(task: Task, raw: list[tuple[int, str]]) -> list[list[list[str]]]:
+    """BFCL's multi-turn inference loop (bfcl_eval/model_handler/base_handler.py inference_multi_turn_prompting,
+    :552-593) on raw texts: per user turn, each assistant step's text through decode_execute; a step that fails
+    to decode or decodes to nothing ends the user turn there (later steps of that turn never happen in BFCL), a
+    decoded step counts toward the step limit whatever the engine's parser made of it."""
+    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
+    handler = _qwen_fc_handler()
+    turns: list[list[list[str]]] = [[] for _ in range(task.metadata["num_user_turns"])]
+    ended = set()
+    for u, text in raw:
+        if u >= len(turns) or u in ended:
+            continue
+        try:
+            decoded = handler.decode_execute(text, has_tool_call_tag=False)
+        except Exception:
+            ended.add(u)
+            continue
+        if is_empty_execute_response(decoded):
+            ended.add(u)
+            continue
+        turns[u].append(decoded)
+    return turns
+
+
+def _score_single_raw(task: Task, text: str) -> tuple[bool, str | None, str]:
+    """bfcl_eval/eval_checker/eval_runner.py _evaluate_single_ast_entry (:319-377) and
+    _evaluate_single_relevance_entry (:263-293) on the raw text of the one assistant turn."""
+    from bfcl_eval.constants.enums import ReturnFormat
+    from bfcl_eval.utils import is_empty_output, is_function_calling_format_output
+    handler, cat = _qwen_fc_handler(), task.metadata["category"]
+    fmt = {"python": ReturnFormat.PYTHON, "java": ReturnFormat.JAVA, "javascript": ReturnFormat.JAVASCRIPT}[
+        task.metadata["language"]]
+    try:
+        decoded, decode_error = handler.decode_ast(text, fmt if cat not in RELEVANCE_CATEGORIES else
+                                                   ReturnFormat.PYTHON, False), None
+    except Exception as exc:
+        decoded, decode_error = None, f"Invalid syntax. Failed to decode AST. {exc}"
+    if cat in RELEVANCE_CATEGORIES:
+        contains = decode_error is None and not is_empty_output(decoded)
+        if "irrelevance" in cat:
+            return (not contains, None if not contains else "irrelevance_error:decoder_success",
+                    "" if not contains else "made a call where none of the functions applies")
+        return (contains, None if contains else "relevance_error:decoder_failed",
+                "" if contains else "made no call where one was expected")
+    if decode_error is not None:
+        return False, "ast_decoder:decoder_failed", decode_error[:500]
+    if not is_function_calling_format_output(decoded):
+        return False, "ast_decoder:decoder_wrong_output_format", "Did not output in the specified format."
+    res = _run_ast_checker(task, decoded, task.ground_truth, cat)
+    return bool(res["valid"]), None if res["valid"] else res.get("error_type"), \
+        "" if res["valid"] else str(res.get("error"))[:500]
+
+
 def _score_multi(task: Task, traj: Trajectory) -> tuple[bool, str | None, str]:
-    turns, err = decoded_turns(task, traj)
+    raw = raw_turns(task, traj)
+    if raw is not None:
+        turns, err = official_decoded_turns(task, raw), None
+    else:
+        turns, err = decoded_turns(task, traj)
     if err:
         return False, "multi_turn:turn_out_of_range", err
     for i, steps in enumerate(turns):
@@ -655,7 +750,8 @@ def score(task: Task, traj: Trajectory) -> Score:
     if cat in MULTI_TURN_CATEGORIES:
         valid, etype, msg = _score_multi(task, traj)
     else:
-        valid, etype, msg = _score_single(task, traj)
+        raw = raw_turns(task, traj)
+        valid, etype, msg = _score_single_raw(task, raw[0][1]) if raw else _score_single(task, traj)
     comp = {"category": cat, "valid": valid, "error_type": etype, "error": msg}
     if etype in CHECKER_EXCEPTIONS:   # BFCL's own runner would stop on these; counted, not hidden as a failure
         comp["evaluator_error"] = msg

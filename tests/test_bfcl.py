@@ -466,3 +466,64 @@ def test_a_miss_func_ground_truth_passes_end_to_end_through_the_rollout(long_con
     assert [c.name for c in traj.calls] == [c.name for c in bfcl.reference_calls(task)], traj.errors
     assert not [e for e in traj.errors if e.startswith("unknown_tool")]
     assert bfcl.score(task, traj).reward == 1.0
+
+
+# ------------------------------------------- the raw text, decoded as BFCL's Qwen FC handler decodes it
+
+def _raw_traj(task, *raws, user_turns=()):
+    """A trajectory as the engine records it: each assistant turn's raw text in the hermes format."""
+    msgs = list(task.messages)
+    for k, raw in enumerate(raws):
+        if k in user_turns:
+            msgs.append({"role": "user", "content": "next"})
+        msgs.append({"role": "assistant", "content": "", "raw": raw, "call_format": "hermes"})
+    return Trajectory(task_id=task.id, messages=msgs)
+
+
+def _call_text(name, arguments, key="arguments", newline=True):
+    import json
+    nl = "\n" if newline else ""
+    return f"<tool_call>{nl}{json.dumps({'name': name, key: arguments})}{nl}</tool_call>"
+
+
+@needs_bfcl
+def test_raw_text_gets_bfcls_verdict_on_single_turn_tasks():
+    """qwen_fc.py _extract_tool_calls keeps unknown names and calls missing arguments and drops what does not
+    match <tool_call>\\n...\\n</tool_call> or is not JSON; decode_ast needs "arguments" as an object."""
+    (t,) = bfcl.load_tasks("simple_python", limit=1)
+    gt = bfcl.reference_calls(t)[0]
+    good = _call_text(gt.name, gt.arguments)
+    assert bfcl.score(t, _raw_traj(t, good)).reward == 1.0
+    extra = good + "\n" + _call_text("made_up_function", {})
+    assert bfcl.score(t, _raw_traj(t, extra)).components["error_type"] == "simple_function_checker:wrong_count"
+    missing = _call_text(gt.name, {})                       # required arguments missing: judged, not dropped
+    assert bfcl.score(t, _raw_traj(t, missing)).components["error_type"].startswith("simple_function_checker")
+    for rejected in (_call_text(gt.name, gt.arguments, newline=False), _call_text(gt.name, gt.arguments, "parameters"),
+                     good.replace(json_dumps(gt.arguments), json_dumps(json_dumps(gt.arguments)))):
+        assert bfcl.score(t, _raw_traj(t, rejected)).reward == 0.0, rejected
+    (irr,) = bfcl.load_tasks("irrelevance", limit=1)
+    hallucinated = _call_text("made_up_function", {"x": 1})
+    s = bfcl.score(irr, _raw_traj(irr, hallucinated))
+    assert s.reward == 0.0 and s.components["error_type"] == "irrelevance_error:decoder_success"
+    assert bfcl.score(irr, _raw_traj(irr, "I cannot help with that.")).reward == 1.0
+
+
+def json_dumps(x):
+    import json
+    return json.dumps(x)
+
+
+@needs_bfcl
+def test_raw_steps_count_toward_force_termination_as_bfcl_counts_them():
+    """base_handler.py inference_multi_turn_prompting: every decoded step counts (an unknown function too);
+    more than 20 in a user turn that is not the last force-terminates the entry. A step that fails to decode
+    ends the user turn: the steps after it never happen."""
+    (t,) = bfcl.load_tasks("multi_turn_base", limit=1)
+    unknown = _call_text("no_such_function", {"a": 1})
+    steps = [unknown] * 21 + ["Done."]
+    s = bfcl.score(t, _raw_traj(t, *steps, user_turns=()))
+    assert s.components["error_type"] == "multi_turn:force_terminated", s.components
+    raw = bfcl.raw_turns(t, _raw_traj(t, "not a call", unknown, unknown))
+    assert bfcl.official_decoded_turns(t, raw)[0] == []    # ended at the undecodable first step
+    raw = bfcl.raw_turns(t, _raw_traj(t, unknown, unknown))
+    assert bfcl.official_decoded_turns(t, raw)[0] == [["no_such_function(a=1)"]] * 2
