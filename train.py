@@ -266,6 +266,8 @@ class TrainConfig:
                                                 "it); auto: on for a real model, off for tiny", ["auto", "on", "off"])
     max_bad_steps: int = opt(3, "consecutive non-finite steps before the run stops")
     overwrite: bool = opt(False, "replace an existing --out folder")
+    require_update: bool = opt(True, "exit 1 when no GRPO step of the run had a learning signal (every group flat "
+                                     "or nothing trained); --no-require-update for smoke runs: a warning instead")
 
     def resolved(self) -> "TrainConfig":
         """A copy with every None (and the 'auto' choices) replaced by its value for this model and benchmark.
@@ -744,6 +746,11 @@ def grpo_start_snapshot(model, tok, run: Path, d: Dist) -> Path:
     return folder
 
 
+def enable_activation_checkpointing(model):
+    """Recompute each decoder layer in backward (non-reentrant); active in train mode only."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = False, checkpointing: bool = False):
     """A model from an HF folder, sharded like the policy; frozen (eval, no gradients) unless trainable
     (then with activation checkpointing when asked, as the policy).
@@ -758,7 +765,7 @@ def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = Fal
         raise ConfigError(f"{what} {folder} has another tokenizer than the policy; both models read one token "
                           "sequence, so they must share the vocabulary")
     if trainable and checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model = shard(model, d)
     for p in model.parameters():
         p.requires_grad_(trainable)
@@ -964,6 +971,10 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         import torch.distributed as dist
         dist.destroy_process_group()
     if grpo_steps and no_signal_steps == grpo_steps:
+        if not cfg.require_update:
+            print(f"warning: the policy was never updated: all {grpo_steps} GRPO steps had every group flat or no "
+                  "trained token", file=sys.stderr)
+            return t.run
         raise NothingToTrain(f"the policy was never updated: all {grpo_steps} GRPO steps of this run had every "
                              f"group flat (equal rewards in each group) or no trained token; see "
                              f"{t.run / 'metrics.jsonl'} (reward_mean, end_reasons). Try more steps, a larger "
@@ -1018,7 +1029,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
                          template_kwargs(cfg), cfg.tool_call_format or None, dtype=torch.float32,
                          device=d.device)   # fails early if unusable
     if cfg.activation_checkpointing == "on":   # only in train mode: rollouts (eval mode) run as before
-        engine.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(engine.model)
     model = shard(engine.model, d)
     optimizer = make_optimizer(model, cfg)
     world, world_optimizer = None, None

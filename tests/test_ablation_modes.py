@@ -143,7 +143,7 @@ def small_run(micro_path, out, steps):
     return ["--model", str(micro_path), "--out", str(out), "--sft-steps", "1", "--sft-batch", "4",
             "--steps", str(steps), "--tasks-per-step", "2", "--group-size", "4", "--max-new-tokens", "32",
             "--max-world-tokens", "10", "--max-turns", "3", "--lr", "5e-2", "--save-every", "1",
-            "--world-model", "separate"]
+            "--world-model", "separate", "--no-require-update"]
 
 
 def params_of(folder):

@@ -220,7 +220,7 @@ def test_activation_checkpointing_gives_the_same_log_probs_and_gradients():
     import copy
     model, tok = policy.load_policy("tiny")
     ckpt = copy.deepcopy(model)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    train.enable_activation_checkpointing(ckpt)
     torch.manual_seed(0)
     ids = torch.randint(0, len(tok), (2, 40))
     mask = torch.rand(2, 40) < 0.5

@@ -41,7 +41,7 @@ def test_bad_options_and_files(tmp_path):
     with pytest.raises(ValueError, match="single_tool, multi_tool, multi_turn"):
         finmcp.load_tasks("test", data=FIXTURE, category="parallel")
     with pytest.raises(ValueError, match="split"):
-        finmcp.load_tasks("train", data=FIXTURE)
+        finmcp.load_tasks("validation", data=FIXTURE)
     bad = tmp_path / "benchmark_all.json"
     bad.write_text("{[ nope")
     with pytest.raises(ValueError, match="neither JSON"):

@@ -430,7 +430,8 @@ def test_environments_turn_random_typed_arguments_into_error_observations():
 def tiny_args(micro_path, out, sft=4, steps=2, extra=()):
     return ["--model", str(micro_path), "--out", str(out), "--sft-steps", str(sft), "--steps", str(steps),
             "--sft-batch", "4", "--tasks-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
-            "--max-world-tokens", "8", "--max-turns", "2", "--lr", "1e-3", "--save-every", "1", *extra]
+            "--max-world-tokens", "8", "--max-turns", "2", "--lr", "1e-3", "--save-every", "1", "--no-require-update",
+            *extra]
 
 
 def metrics_of(run):
@@ -625,7 +626,7 @@ def error_lines(stderr):
 
 
 TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfig field is covered
-    (["--model", "/nonexistent/model"], "does not exist"), (["--bench", "nope"], "unknown --bench"),
+    (["--model", "/nonexistent/model"], "does not exist"), (["--bench", "nope"], "argument --bench: invalid choice: 'nope'"),
     (["--split", "nosplit"], "nosplit"), (["--env", "simulated"], "--env"), (["--train-roles", ""], "roles"),
     (["--train-roles", "act,dream"], "roles"), (["--sft-roles", "x"], "roles"),
     (["--aggregate", "sum"], "--aggregate"), (["--steps", "0"], "--steps"), (["--steps", "2.5"], "invalid int"),
@@ -647,7 +648,7 @@ TRAIN_BAD = [  # (flag values, text the one line must contain); every TrainConfi
     (["--keep-checkpoints", "-1"], "--keep-checkpoints"), (["--beta2", "1"], "--beta2"), (["--beta2", "nan"], "--beta2"), (["--sft-warmup", "-1"], "--sft-warmup"),
     (["--sft-rehearsal-frac", "1.5"], "--sft-rehearsal-frac"), (["--sft-rehearsal-frac", "nan"], "--sft-rehearsal-frac"),
     (["--sft-memory", "guess"], "--sft-memory"),
-    (["--reward", "judge"], "--reward must be"), (["--reward", "checklist", "--bench", "finmcp"], "no rule-based checklist"),
+    (["--reward", "judge"], "argument --reward: invalid choice: 'judge'"), (["--reward", "checklist", "--bench", "finmcp"], "no rule-based checklist"),
     (["--sft-world-frac", "1.5"], "--sft-world-frac"), (["--sft-world-frac", "nan"], "--sft-world-frac"),
     (["--sft-world-frac", "0.5", "--bench", "tau2"], "world examples"), (["--sft-world-skip", "get_price,"], "--sft-world-skip"),
     (["--sft-world-skip", "get_prize"], "names no tool"), (["--sft-world-lookup", "-0.1"], "--sft-world-lookup"),
