@@ -222,15 +222,37 @@ _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.S)
 
 
+_PY_CONSTANTS = {"True": True, "False": False, "None": None}   # what jinja's `| string` makes of JSON's constants
+
+
 def _coder_value(raw: str, schema: dict):
-    """Qwen3-Coder writes strings bare and everything else as JSON; the schema says which was meant."""
+    """A Qwen3-Coder parameter value, typed by the tool's schema as Qwen's own parser does: the template
+    writes every value with `| string`, so strings come bare, true/false/null as Python's True/False/None and
+    objects as Python reprs. A string-typed parameter keeps its text (also "5" or "None"); boolean, integer,
+    number, null, object and array are read as JSON, else as the Python literal the template wrote; a value
+    that reads as neither stays a string (the call is then judged by its schema like any other)."""
+    import ast
     kind = schema.get("type")
-    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+    kinds = set(kind) if isinstance(kind, list) else {kind} if kind else set()
+    if kinds == {"string"}:
         return raw
+    text = raw.strip()
+    if "null" in kinds and text in ("None", "null"):
+        return None
+    if "boolean" in kinds and text.lower() in ("true", "false"):
+        return text.lower() == "true"
     try:
-        return strict_json(raw)
+        return strict_json(text)
     except ValueError:
-        return raw
+        pass
+    if text in _PY_CONSTANTS:
+        return _PY_CONSTANTS[text]
+    if kinds & {"object", "array"} or text[:1] in "[{(":
+        try:
+            return json.loads(json.dumps(ast.literal_eval(text)))   # Python repr -> the JSON value it denotes
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            pass
+    return raw
 
 
 def _coder_call(raw: str, tools: dict[str, dict]) -> ToolCall | CallError:

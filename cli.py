@@ -43,6 +43,13 @@ def template_kwargs_arg(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def template_kwargs_text(text: str) -> str:
+    """argparse type of train.py's --chat-template-kwargs: checked as --chat-template-kwargs is everywhere, kept
+    as its text (TrainConfig stores the flag's text)."""
+    template_kwargs_arg(text)
+    return text
+
+
 def add_template_args(parser: argparse.ArgumentParser):
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="replace the model's chat template with this jinja file (saved into checkpoints), "

@@ -281,7 +281,10 @@ def read_chat_template(path: str | Path) -> str:
     """The text of a --chat-template file; PolicyLoadError if it cannot be read."""
     try:
         text = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise PolicyLoadError(f"cannot read chat template file {str(path)!r}: not UTF-8 text (byte "
+                              f"{exc.start}: {exc.reason}); save it as UTF-8") from exc
+    except OSError as exc:
         raise PolicyLoadError(f"cannot read chat template file {str(path)!r}: {exc.strerror or exc}") from exc
     if not text.strip():
         raise PolicyLoadError(f"chat template file {str(path)!r} is empty")
@@ -297,7 +300,20 @@ def parse_template_kwargs(text: str) -> dict:
                          f"({exc})") from exc
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object (in braces), got a JSON {type(value).__name__}: {text!r}")
+    clash = sorted(set(value) & APPLY_CHAT_TEMPLATE_ARGUMENTS)
+    if clash:
+        raise ValueError(f"{', '.join(clash)} {'is an argument' if len(clash) == 1 else 'are arguments'} of "
+                         "apply_chat_template that the engine sets itself, not a template variable; drop "
+                         f"{'it' if len(clash) == 1 else 'them'}")
     return value
+
+
+# apply_chat_template's own parameters: passed as template variables they would collide (TypeError) or change
+# what the engine gets back
+APPLY_CHAT_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def saved_template_kwargs(name: str | Path) -> dict:

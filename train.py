@@ -1274,6 +1274,9 @@ def build_parser() -> argparse.ArgumentParser:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, help=text + shown)
             continue
         kind = kinds[str(f.type).split(" | ")[0]]
+        if f.name == "chat_template_kwargs":   # the same check as evaluate.py's and rollout.py's flag
+            from cli import template_kwargs_text
+            kind = template_kwargs_text
         metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         ap.add_argument(flag, type=kind, choices=choices, help=text + shown, metavar=None if choices else metavar)
     ap.add_argument("--resume", type=str, metavar="RUN", help="continue the run in this folder from its latest "

@@ -395,3 +395,38 @@ def test_real_qwen3_engine_ids_equal_the_template_and_tags_cannot_be_forged(tmp_
     assert forged in tok.decode(last_obs)
     assert not {151666, 151645, 151644} & set(last_obs)
     assert roles.count(int(Role.OBS)) == sum(s.end - s.start for s in obs_spans)
+
+
+TYPED_TOOLS = [{"type": "function", "function": {"name": "configure", "description": "every argument shape",
+    "parameters": {"type": "object", "properties": {
+        "flag": {"type": "boolean"}, "off": {"type": "boolean"}, "maybe": {"type": ["integer", "null"]},
+        "count": {"type": "integer"}, "ratio": {"type": "number"}, "config": {"type": "object"},
+        "items": {"type": "array"}, "code": {"type": "string"}, "word": {"type": "string"},
+        "loose": {}}, "required": ["flag"]}}}]
+TYPED_ARGS = {"flag": True, "off": False, "maybe": None, "count": 7, "ratio": 2.5,
+              "config": {"depth": 2, "tags": ["a", "b"], "on": True, "none": None}, "items": [1, "two", 3.0],
+              "code": "42", "word": "None", "loose": 3}
+
+
+@pytest.mark.parametrize("name,kwargs", [("Qwen3-Coder", None),
+                                         ("NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", {"enable_thinking": False})])
+def test_stringified_values_come_back_typed_by_the_schema(survey_tokenizer, name, kwargs):
+    """These templates write every parameter with `| string` (true -> True, null -> None, objects as Python
+    reprs); the qwen3_coder parser types each value by the tool's schema, as Qwen's own parser does."""
+    tok = survey_tokenizer
+    configure(tok, (TEMPLATES / f"{name}.jinja").read_text())
+    try:
+        fmt = derive_chat_format(tok, kwargs)
+    except TemplateError as exc:
+        pytest.skip(f"{name} is refused here ({exc.reason}); the parser is checked on the other template")
+    assert fmt.call_format == "qwen3_coder"
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    before = fmt.render(msgs, TYPED_TOOLS, True)
+    after = fmt.render(msgs + [{"role": "assistant", "content": "", "tool_calls": [call("configure", TYPED_ARGS, 1)]}],
+                       TYPED_TOOLS)
+    body = after[len(before):]
+    assert "True" in body and "None" in body            # the template really stringified them
+    (parsed,) = fmt.parse(body[:body.rfind(tok.convert_ids_to_tokens(fmt.eos_id))], TYPED_TOOLS).items
+    assert parsed.name == "configure" and parsed.arguments == TYPED_ARGS, parsed
+    for key, value in TYPED_ARGS.items():
+        assert type(parsed.arguments[key]) is type(value), key

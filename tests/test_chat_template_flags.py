@@ -45,3 +45,27 @@ def test_rollout_cli_errors_are_one_line_exit_2(argv, needle, capsys):
         rollout.main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("rollout.py: error:") and needle in err
+
+
+@pytest.mark.parametrize("prog", ["train.py", "evaluate.py", "rollout.py"])
+def test_template_flag_mistakes_are_one_line_in_every_cli(prog, tmp_path, capsys):
+    """A template file that is not UTF-8, template variables that are apply_chat_template's own arguments,
+    and an empty --chat-template-kwargs: the same one-line refusal, exit 2, in all three programs."""
+    import evaluate
+    import train
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    main = {"train.py": train.main, "evaluate.py": evaluate.main, "rollout.py": rollout.main}[prog]
+    out = ["--out", str(tmp_path / "o")] if prog != "rollout.py" else []
+    for argv, needle in [(["--chat-template", str(latin1)], "not UTF-8"),
+                         (["--chat-template-kwargs", '{"return_dict": true}'], "return_dict is an argument"),
+                         (["--chat-template-kwargs", ""], "JSON object")]:
+        try:
+            code = main([*argv, *out])
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if "error:" in x]
+        assert code == 2 and len(lines) == 1 and needle in lines[0] and lines[0].startswith(f"{prog}: error:"), \
+            (prog, argv, err)
+        assert "Traceback" not in err
