@@ -327,6 +327,8 @@ class ChatFormat:
     quote_responses: bool = False   # the template writes a tool response as a JSON string (Llama 3's tojson)
     template_kwargs: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)   # accepted, but worth knowing (e.g. history rewriting)
+    dropped_opener: str = ""    # an empty think block the generation prompt adds and history drops (Qwen3,
+                                # enable_thinking=false): kept in the engine's tokens, cut from re-rendered turns
     tok: object = field(default=None, repr=False, compare=False)
 
     # -- parsing -----------------------------------------------------------------------------------------
@@ -536,15 +538,26 @@ def derive_chat_format(tok, template_kwargs: dict | None = None, call_format: st
     eos_id = stops[eos_text]
 
     opener = _generation_opener(answered, prompt, gen_header)
+    # Qwen3 with enable_thinking=false opens every generated turn with an empty think block and drops it from
+    # the turns it re-renders: the one deviation accepted (noted), because the engine keeps the tokens it
+    # generated (token in, token out) and never re-renders history
+    tail_think = EMPTY_THINK_AT_END.search(gen_header)
+    droppable = gen_header[tail_think.start():] if tail_think else ""
+    dropped = []
 
     def after_assistant(messages, marker):
         full = render(messages, True)
+        base = prompt
         if not full.startswith(prompt):
-            why = (f"its generation prompt opens the assistant turn with {opener!r}, which it drops from earlier "
-                   "turns" if opener and full.startswith(prompt[:-len(opener)]) else _where(prompt, full))
-            raise TemplateError("not_append_only", "the chat template is not append-only: adding turns changes "
-                                                   f"the prompt before them ({why}); {FIX_TEMPLATE}")
-        at = full.find(marker, len(prompt))
+            if droppable and full.startswith(prompt[:-len(droppable)]):
+                base = prompt[:-len(droppable)]
+                dropped.append(True)
+            else:
+                why = (f"its generation prompt opens the assistant turn with {opener!r}, which it drops from "
+                       "earlier turns" if opener and full.startswith(prompt[:-len(opener)]) else _where(prompt, full))
+                raise TemplateError("not_append_only", "the chat template is not append-only: adding turns changes "
+                                                       f"the prompt before them ({why}); {FIX_TEMPLATE}")
+        at = full.find(marker, len(base))
         end = full.find(eos_text, at) if at >= 0 else -1
         if at < 0:
             raise TemplateError("ignores_tool_calls", "the chat template ignores assistant `tool_calls`: a call "
@@ -606,10 +619,18 @@ def derive_chat_format(tok, template_kwargs: dict | None = None, call_format: st
                      tool_sep=between[tag.end():], tool_close=close[tag.end():],
                      user_open=user_open[len(after_eos):], user_close=user_close, eos_id=eos_id,
                      stop_ids=frozenset(stops.values()), call_format=fmt_name, world_stop=world_stop,
-                     quote_responses=quote, template_kwargs=kwargs)
+                     quote_responses=quote, template_kwargs=kwargs, dropped_opener=droppable)
     fmt._setup(tok)
     _check_episode(fmt, render, system)
+    if dropped or fmt.notes and droppable:
+        fmt.notes.insert(0, f"opens each generated turn with an empty think block {droppable!r} that it drops "
+                            "when it re-renders history; the engine keeps the generated tokens (training sees "
+                            "what the model saw), so a server that re-renders history gives later turns a "
+                            "slightly different context")
     return fmt
+
+
+EMPTY_THINK_AT_END = re.compile(r"<think>\s*</think>\s*$")
 
 
 def _quotes_responses(rendered: str, marker: str, render_with) -> bool:
@@ -673,10 +694,13 @@ def _check_episode(fmt: ChatFormat, render, system):
                {"role": "tool", "tool_call_id": "zqx000002", "name": "zqx_probe", "content": "@@R2@@"},
                {"role": "assistant", "content": "@@A2@@"}]
     full = render(episode, False)
+    drop = fmt.dropped_opener
     for k, m in enumerate(episode):
         if m["role"] != "assistant":
             continue
         before = render(episode[:k], True)
+        if drop and not full.startswith(before) and before.endswith(drop) and full.startswith(before[:-len(drop)]):
+            continue    # the empty think block of the generation prompt, dropped from history (noted)
         if not full.startswith(before):
             raise TemplateError("not_append_only", "the chat template is not append-only over an episode: the "
                                                    f"context before assistant turn {k} is rendered differently once "
@@ -720,7 +744,12 @@ def encode_conversation(fmt: ChatFormat, task_messages: list[dict], tools: list[
             history.append(m)
             after = fmt.render(history, tools)
             eos_text = fmt.tok.convert_ids_to_tokens(fmt.eos_id)
+            drop = fmt.dropped_opener
+            if drop and not after.startswith(before) and before.endswith(drop):
+                before = before[:-len(drop)]     # history dropped the empty think block; the layout keeps it
             body = after[len(before):]
+            if drop and body.startswith(drop):   # ... and a last turn may keep it: it is scaffolding either way
+                body = body[len(drop):]
             body = body[: body.rfind(eos_text)]
             pending.append((body, "act", True))
             flush()
