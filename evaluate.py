@@ -83,7 +83,8 @@ def build_parser():
     p.add_argument("--split", default=None, help="split to score (default: per benchmark, bench/settings.py: "
                    "test; BFCL-trained runs: dev, the held-out half of BFCL's multi-turn entries)")
     p.add_argument("--limit", type=int_at_least(1), default=None,
-                   help="first N tasks of the split (default: all; toyworld: the first 32 of its 1000)")
+                   help="first N tasks of the split, in the benchmark's order (default: all; toyworld: the "
+                        "first 32 of its 1000; BFCL's order is by category: pick categories with --split)")
     p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
                    help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
     p.add_argument("--num-trials", type=int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
@@ -114,6 +115,9 @@ def build_parser():
                         "rows at once (1 in sequential mode), and join as others finish (results equal running "
                         "them one at a time; batched is faster at every budget, bench/eval_speed.py). "
                         "Default: 64")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="memory for KV-cache rows, in GB; a batch holds at most budget / (max-total-len x KV bytes "
+                        "per token x 2) rows and the rest wait (default: half the memory free at start)")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
     p.add_argument("--device", default="auto")
     return p
@@ -329,9 +333,16 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             records[k] = rec
             bar.update(1)
 
-        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine)
+        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine,
+                          memory_budget=budget_bytes(args))
     bar.close()
     return records
+
+
+def budget_bytes(args) -> int | None:
+    """--memory-budget in bytes (None: the engine's default, half the free memory)."""
+    gb = getattr(args, "memory_budget", None)
+    return None if gb is None else int(gb * 2**30)
 
 
 def resolve_limits(args):
@@ -352,6 +363,8 @@ def main(argv=None) -> int:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     resolve_limits(args)
+    if args.memory_budget is not None and not args.memory_budget > 0:
+        parser.error(f"--memory-budget must be a positive number of GB, got {args.memory_budget}")
 
     import torch
 
@@ -359,6 +372,7 @@ def main(argv=None) -> int:
     from bench import BenchUnavailable, load_bench
     from chat_format import TemplateError
     from cli import load_engine
+    from rollout import SamplingConfig, memory_rows
 
     try:
         mod = load_bench(args.bench)
@@ -371,6 +385,7 @@ def main(argv=None) -> int:
         if limit is None and args.bench == "toyworld":
             limit = DEFAULT_TOYWORLD_LIMIT   # its test split has 1000 tasks; this keeps the default run short
         tasks = mod.load_tasks(args.split, limit=limit, **dict(args.opt))
+        tasks = tasks[:limit] if limit is not None else tasks     # a loader's limit may be per group (BFCL)
     except (BenchUnavailable, ValueError, TypeError, FileNotFoundError) as exc:
         parser.error(f"cannot load {args.bench} split {args.split!r}: {exc}")
     if not tasks:
@@ -427,6 +442,8 @@ def main(argv=None) -> int:
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
+               "batch_rows": min(args.max_rows or 64, memory_rows(eng.model, eng.max_len(
+                   SamplingConfig(max_total_len=args.max_total_len)), budget_bytes(args))),
                "seconds": time.perf_counter() - t0, "runs": runs}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "

@@ -17,7 +17,7 @@ import torch
 from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
                          validate_rehearsal)
 from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed,
-                     encode_conversation)
+                     encode_conversation, memory_rows)
 
 # ==========================================================================================================
 # Test-time private rehearsal (evaluate.py)
@@ -751,7 +751,7 @@ class EpisodeSpec:
 
 @torch.inference_mode()
 def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_rows: int = 64, on_done=None,
-             progress=None, world_model=None) -> list[Episode]:
+             progress=None, world_model=None, memory_budget: int | None = None) -> list[Episode]:
     """Committed trajectories for many tasks in one engine batch: each task's committed row and its private
     branches are rows of the same decode loop; tasks join as rows leave, holding at most ~max_rows
     KV-cache rows (a task holds up to max(1, budget) at once in parallel mode, 1 in sequential mode: the
@@ -759,9 +759,13 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
     the same tokens; sampled: each row samples from generators seeded by its own spec). on_done(i, episode)
     as each one ends.
     world_model: another model writes every WORLD segment (private rehearsals, fidelity probes), as a
-    per-role run's trained world model (Engine.run's argument of the same name)."""
+    per-role run's trained world model (Engine.run's argument of the same name).
+    memory_budget: bytes for KV-cache rows (None: rollout.memory_budget_bytes, half the free memory); max_rows
+    is lowered to the rows that fit (rollout.memory_rows), so a large batch waits instead of running out."""
     rcfg = rcfg or RehearsalConfig()
     specs = list(specs)
+    if specs:
+        max_rows = min(max_rows, memory_rows(eng.model, eng.max_len(specs[0].cfg), memory_budget))
     if len({json.dumps({**s.cfg.__dict__, "seed": 0}, sort_keys=True) for s in specs}) > 1:
         raise ValueError("act_many runs specs whose sampling configs differ only in their seeds")
     episodes: list[Episode | None] = [None] * len(specs)

@@ -726,12 +726,17 @@ class Engine:
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         stop_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
         self.fmt: ChatFormat = derive_chat_format(tok, self.template_kwargs, call_format, stop_ids)
+        self.memory_budget: int | None = None   # bytes for KV-cache rows; None: memory_budget_bytes()
 
     def prompt_ids(self, task: Task) -> list[int]:
         return self.fmt.prompt_ids(task.messages, task.tools)
 
     def max_len(self, cfg: SamplingConfig) -> int:
         return min(cfg.max_total_len, getattr(self.model.config, "max_position_embeddings", cfg.max_total_len))
+
+    def rows_that_fit(self, cfg: SamplingConfig, budget_bytes: int | None = None) -> int:
+        """How many KV-cache rows one batch may hold (memory_rows with this engine's model and limits)."""
+        return memory_rows(self.model, self.max_len(cfg), budget_bytes)
 
     # -- turn transitions ----------------------------------------------------------------------------------
 
@@ -1037,8 +1042,11 @@ class Engine:
             self.advance(r)
         batch = KVBatch(self.model, self.tok.pad_token_id, use_cache, world_model)
         queue = deque(rows)
-        self.decode(batch, cfg, rehearse, steer, admit=lambda n: [queue.popleft() for _ in range(len(queue))],
-                    progress=progress)
+        cap = self.rows_that_fit(cfg, self.memory_budget)   # rows beyond it join as others finish
+
+        def admit(n_rows):
+            return [queue.popleft() for _ in range(min(len(queue), max(cap - n_rows, 0 if n_rows else 1)))]
+        self.decode(batch, cfg, rehearse, steer, admit=admit, progress=progress)
         stats = {"forward_calls": batch.forward_calls, "tokens_fed": batch.tokens_fed,
                  "tokens_sampled": sum(r.counts.get("act_sampled", 0) for r in rows),
                  "seconds": time.perf_counter() - t0}
@@ -1193,6 +1201,38 @@ def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
         return last.get("content", "")
 
     return user_fn
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token's keys and values take in the cache, over all layers (the cache keeps the compute dtype)."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    dtype = next(model.parameters()).dtype      # the weights' dtype: under bf16 autocast an overestimate, safe
+    return 2 * c.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def memory_budget_bytes(device: torch.device | None = None, fraction: float = 0.5) -> int:
+    """The default budget for KV-cache rows: `fraction` of the memory free now (MemAvailable on CPU, the
+    device's free memory on a GPU), leaving the rest to weights, activations and the prefill's transients."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * fraction)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = 8 << 30
+    return int(avail * fraction)
+
+
+def memory_rows(model, max_len: int, budget_bytes: int | None = None) -> int:
+    """The rule: rows = budget / (max_len x KV bytes per token x 2 + vocab x 4), at least 1. Every cache row is
+    as wide as the longest row (right-aligned), so a row is budgeted at the full length it may reach; x 2 for
+    the cache's growth copies and the attention over it; plus its float32 logits row."""
+    device = next(model.parameters()).device
+    budget = memory_budget_bytes(device) if budget_bytes is None else budget_bytes
+    per_row = 2 * max_len * kv_bytes_per_token(model) + 4 * model.config.vocab_size
+    return max(1, int(budget // per_row))
 
 
 def current_tools(row) -> list[dict]:

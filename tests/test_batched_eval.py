@@ -89,3 +89,34 @@ def test_cost_figures_add_up_in_a_batch_sharing_a_prompt_head(eng, budget):
     assert sum(ep.stats["seconds"] for ep in eps) <= wall
     assert sum(ep.stats["seconds"] for ep in eps) >= 0.5 * wall
     assert sum(ep.stats["wall_seconds"] for ep in eps) > wall     # lifetimes overlap: not a cost
+
+
+def test_a_memory_budget_caps_the_rows_of_a_batch_and_the_results_stay_the_same(eng):
+    """rows = budget / (max_len x KV bytes per token x 2 + vocab x 4): a budget for 2 rows runs 6 tasks 2 at
+    a time, with the same episodes as the unbudgeted batch."""
+    import rollout
+    runs = specs(6, greedy=True)
+    per_row = 2 * eng.max_len(runs[0].cfg) * rollout.kv_bytes_per_token(eng.model) + 4 * eng.model.config.vocab_size
+    assert rollout.memory_rows(eng.model, eng.max_len(runs[0].cfg), 2 * per_row + 1) == 2
+    assert rollout.memory_rows(eng.model, eng.max_len(runs[0].cfg), 1) == 1        # always at least one row
+    widest = []
+    real_feed = rollout.KVBatch.feed
+
+    def spy(batch):
+        widest.append(len(batch.rows))
+        return real_feed(batch)
+    import pytest as _pytest
+    with _pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout.KVBatch, "feed", spy)
+        capped = act_many(eng, runs, RehearsalConfig(budget=0), memory_budget=2 * per_row + 1)
+    assert max(widest) <= 2
+    free = act_many(eng, runs, RehearsalConfig(budget=0))
+    for a, b in zip(capped, free):
+        same(a, b)
+    ro = eng.run([s.task for s in runs[:3]], 2, runs[0].cfg, make_env=toyworld.make_env)
+    eng.memory_budget = 2 * per_row + 1
+    try:
+        again = eng.run([s.task for s in runs[:3]], 2, runs[0].cfg, make_env=toyworld.make_env)
+    finally:
+        eng.memory_budget = None
+    assert torch.equal(ro.ids, again.ids) and ro.end_reasons == again.end_reasons
