@@ -526,7 +526,25 @@ def derive_chat_format(tok, template_kwargs: dict | None = None, call_format: st
     after_answer = answered[answered.find("@@ANSWER@@") + len("@@ANSWER@@"):]
     eos_text = _first_stop(after_answer, stops)
     if eos_text is None:
+        followed = render([system, user, final, {"role": "user", "content": "@@USER2@@"}], False)
+        between = followed[followed.find("@@ANSWER@@") + len("@@ANSWER@@"):followed.find("@@USER2@@")]
+        closing = _TAG.search(between)
+        header = prompt[:prompt.find("@@USER@@")]                 # a tag that opens a user turn is no end
+        is_header = closing is not None and header.rstrip().endswith(between[closing.start():].strip())
+        if closing is not None and not between[:closing.start()].strip() and not after_answer.strip() \
+                and not is_header:
+            raise TemplateError("no_end_of_turn", f"the chat template writes the end of an assistant turn "
+                                                  f"({closing.group(0)!r}) only when another message follows, never "
+                                                  "after the last one, so the engine cannot tell a finished turn "
+                                                  f"from the history it renders; {FIX_TEMPLATE}")
         tag = _TAG.search(after_answer)
+        if tag is None and after_answer.strip():
+            end = after_answer.split()[0]
+            raise TemplateError("no_end_of_turn", f"the chat template ends an assistant answer with {end!r}, which "
+                                                  "is no token of this tokenizer's (neither its eos nor an added "
+                                                  "token), so no generated token can end a turn; add it to the "
+                                                  "tokenizer as its eos, or pass --chat-template FILE with a "
+                                                  "template that supports it")
         if tag is None or after_answer[:tag.start()].strip():
             raise TemplateError("no_end_of_turn", "the chat template puts no end-of-turn token after an assistant "
                                                   f"answer (it is followed by {after_answer[:30]!r}); the engine "
@@ -574,6 +592,11 @@ def derive_chat_format(tok, template_kwargs: dict | None = None, call_format: st
                                                   f"appears in the rendered turn; {FIX_TEMPLATE}")
     body = call_text[len(prompt):] if call_text.startswith(prompt) else call_text[len(prompt) - len(gen_header):]
     body = body[: body.find(eos_text)] if eos_text in body else body
+    if not body.strip():
+        raise TemplateError("call_format", "the chat template writes a tool call outside the assistant turn: "
+                                           "nothing of the call comes between the generation prompt and the "
+                                           f"turn's end {eos_text!r} (it follows as a separate section or "
+                                           f"message); {FIX_TEMPLATE}")
     fmt_name = _infer_call_format(body, call_format)
 
     probe = "@@OBS1@@", "@@OBS2@@", "@@USER2@@"

@@ -486,3 +486,21 @@ def test_non_thinking_qwen3_runs_in_train_and_evaluate(tmp_path):
                      "--sft-batch", "1", "--steps", "1", "--tasks-per-step", "1", "--group-size", "2",
                      "--max-new-tokens", "4", "--max-turns", "1", "--no-require-update"])
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name,needle", [
+    ("GigaChat3-10B-A1.8B", "writes a tool call outside the assistant turn"),
+    ("Kimi-K3", "writes a tool call outside the assistant turn"),
+    ("Apertus-8B-Instruct", "('<|assistant_end|>') only when another message follows"),
+    ("tencent-Hy3", "only when another message follows"),
+    ("Apriel-1.6-15b-Thinker-fixed", "('<|end|>') only when another message follows"),
+    ("MiniMax-M2", "ends an assistant answer with '[e~['"),
+    ("GLM-4.6", "puts no end-of-turn token after an assistant answer"),   # <|user|> opens the next turn
+])
+def test_refusals_state_the_true_cause(survey_tokenizer, name, needle):
+    tok = survey_tokenizer
+    configure(tok, (TEMPLATES / f"{name}.jinja").read_text())
+    with pytest.raises(TemplateError) as err:
+        derive_chat_format(tok)
+    assert err.value.reason == EXPECTED[name] and needle in str(err.value), str(err.value)
+    assert "renders a call as ''" not in str(err.value)
