@@ -3,6 +3,7 @@
     python -m pretrain.run --out runs/pretrain --steps 20000          # start, or continue where it stopped
     python -m pretrain.run --out runs/pretrain --steps 20000 --until 3000   # one piece: stop at step 3000
     python -m pretrain.run --out runs/pretrain --export weights/tiny-recall  # bf16 HF folder of the latest
+    python -m pretrain.run --out runs/pretrain --resume-from results/pretrain/state   # continue a committed run
 
 Starts from the deterministic tiny model (policy.build_tiny: its tokenizer and random init). Every
 --save-every steps it writes a checkpoint (weights, AdamW state, step) to OUT/ckpt, replacing the last one,
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (one job per core)")
     ap.add_argument("--export", default="", metavar="DEST", help="only write the latest checkpoint to DEST (bf16)")
+    ap.add_argument("--resume-from", default="", metavar="STATE",
+                    help="a committed state folder (results/pretrain/state): copied to OUT/ckpt when OUT has none, "
+                         "with its metrics.jsonl beside it, so a new machine continues the same run")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.export:
@@ -151,6 +155,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     out.mkdir(parents=True, exist_ok=True)
+    if args.resume_from and not (out / "ckpt" / "state.json").exists():
+        state_dir = Path(args.resume_from)
+        if not (state_dir / "state.json").exists():
+            ap.error(f"--resume-from {state_dir}: no state.json there (not a pretraining state folder)")
+        shutil.copytree(state_dir, out / "ckpt", ignore=shutil.ignore_patterns("metrics.jsonl"))
+        if (state_dir / "metrics.jsonl").exists():
+            shutil.copy(state_dir / "metrics.jsonl", out / "metrics.jsonl")
+        shutil.copy(state_dir / "tiny_recipe.json", out / "tiny_recipe.json")
     start = 0
     if (out / "ckpt" / "state.json").exists():
         state = json.loads((out / "ckpt" / "state.json").read_text())

@@ -98,3 +98,19 @@ def test_a_resumed_piece_equals_the_uninterrupted_run(tmp_path):
     wb = load_file(str(tmp_path / "part" / "ckpt" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
+
+
+def test_a_committed_state_folder_continues_the_run_on_a_new_machine(tmp_path):
+    import shutil
+    common = ["--steps", "4", "--save-every", "2", "--probe-tasks", "0", "--batch", "2"]
+    assert run.main(["--out", str(tmp_path / "full"), *common]) == 0
+    assert run.main(["--out", str(tmp_path / "a"), *common, "--until", "2"]) == 0
+    state = tmp_path / "state"                      # what a session commits: the checkpoint and the metrics
+    shutil.copytree(tmp_path / "a" / "ckpt", state)
+    shutil.copy(tmp_path / "a" / "metrics.jsonl", state / "metrics.jsonl")
+    assert run.main(["--out", str(tmp_path / "b"), "--resume-from", str(state)]) == 0
+    full = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x)["loss"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == pytest.approx(full, abs=1e-4)
+    with pytest.raises(SystemExit):
+        run.main(["--out", str(tmp_path / "c"), "--resume-from", str(tmp_path / "nothing")])
