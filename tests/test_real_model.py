@@ -312,8 +312,15 @@ def assert_trained_on_real_tokens(res, rec, scored, out, bench, world=True):
         assert rec["flat_groups"] == 1 and res.returncode == 1 and "never updated" in res.stderr, res.stderr[-2000:]
     else:
         assert res.returncode == 0, res.stderr[-2000:]
-        start, after = params_of(out / "reference"), params_of(out / "ckpt" / "step_000001")
-        assert any(not torch.equal(start[k], after[k]) for k in start)
+        start = params_of(policy.resolve_model_path(str(GGUF)))      # the weights the run started from
+        after = params_of(out / "ckpt" / "step_000001")
+        assert any(not torch.equal(start[k], after[k]) for k in after if k in start)
+
+
+def test_envace_grpo_step_on_toyworld_with_real_weights_and_its_own_scorer(gguf_cache, tmp_path, monkeypatch):
+    res, rec, scored, out = grpo_step_on("toyworld", ("get_balance", '{"account": "ann"}'), "families=balance",
+                                         tmp_path, monkeypatch)
+    assert_trained_on_real_tokens(res, rec, scored, out, "toyworld")
 
 
 def test_envace_grpo_step_on_bfcl_multi_turn_with_real_weights(gguf_cache, tmp_path, monkeypatch):
