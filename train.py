@@ -243,8 +243,8 @@ class TrainConfig:
     reward: str = opt("auto", "checklist (share of rule-based items met), success (binary task score); auto: "
                               "checklist where the benchmark has one", ["checklist", "success", "auto"])
     defect_penalty: float = opt(0.1, "reward lost per defect of a rehearsed response (when WORLD is trained)")
-    sft_steps: int | None = opt(None, f"supervised warm-start steps on reference chats before GRPO (default: "
-                                      f"SFT_TINY_STEPS for tiny on toyworld, else 0)")
+    sft_steps: int | None = opt(None, "supervised warm-start steps on reference chats before GRPO (default: 1600 "
+                                      "for tiny on toyworld, SFT_TINY_STEPS, else 0)")
     sft_batch: int = opt(16, "warm-start sequences per step")
     sft_lr: float = opt(5e-3, "warm-start learning rate")
     sft_warmup: int = opt(30, "linear ramp of --sft-lr over the first steps")
