@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     from bench import BenchUnavailable, load_bench
     from chat_format import TemplateError
     from cli import load_engine
-    from rollout import SamplingConfig, memory_rows
+    from rollout import SamplingConfig
 
     try:
         mod = load_bench(args.bench)
@@ -442,8 +442,8 @@ def main(argv=None) -> int:
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
-               "batch_rows": min(args.max_rows or 64, memory_rows(eng.model, eng.max_len(
-                   SamplingConfig(max_total_len=args.max_total_len)), budget_bytes(args))),
+               "batch_rows": min(args.max_rows or 64, eng.rows_that_fit(
+                   SamplingConfig(max_total_len=args.max_total_len), budget_bytes(args))),
                "seconds": time.perf_counter() - t0, "runs": runs}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "

@@ -17,7 +17,7 @@ import torch
 from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
                          validate_rehearsal)
 from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed,
-                     encode_conversation, memory_rows)
+                     encode_conversation)
 
 # ==========================================================================================================
 # Test-time private rehearsal (evaluate.py)
@@ -765,7 +765,7 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
     rcfg = rcfg or RehearsalConfig()
     specs = list(specs)
     if specs:
-        max_rows = min(max_rows, memory_rows(eng.model, eng.max_len(specs[0].cfg), memory_budget))
+        max_rows = min(max_rows, eng.rows_that_fit(specs[0].cfg, memory_budget))
     if len({json.dumps({**s.cfg.__dict__, "seed": 0}, sort_keys=True) for s in specs}) > 1:
         raise ValueError("act_many runs specs whose sampling configs differ only in their seeds")
     episodes: list[Episode | None] = [None] * len(specs)

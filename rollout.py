@@ -815,7 +815,8 @@ class Engine:
             else:
                 traj.errors.append(f"{item.kind}: {item.message}")
         traj.messages.append({"role": "assistant", "content": parsed.content, "raw": text,
-                              "call_format": fmt.call_format, "tool_calls": [{"type": "function", "function": {"name": c.name,
+                              "call_format": fmt.call_format,
+                              "tool_calls": [{"type": "function", "function": {"name": c.name,
                                               "arguments": c.arguments}} for c in parsed.calls]})
         row.turn += 1
         if not terminated:

@@ -1269,7 +1269,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         text, choices = f.metadata["help"], f.metadata["choices"]
-        shown = "" if f.default is None or "default:" in text else f" (default: {f.default if f.default != '' else 'none'})"
+        default = f.default if f.default != "" else "none"
+        shown = "" if f.default is None or "default:" in text else f" (default: {default})"
         if f.type in ("bool", bool):
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, help=text + shown)
             continue

@@ -363,7 +363,8 @@ def load_tasks(split: str = "test", limit: int | None = None, categories=None, s
     "dev" are the two halves of the multi-turn categories, or of `categories` when given (by task id; BFCL has
     no train split): train on "train", evaluate that run on "dev".
 
-    limit: at most this many tasks per category. ids: a comma list of task ids to keep (e.g. one short task). system_prompt: "default" prepends BFCL's classic instructions
+    limit: at most this many tasks per category. ids: a comma list of task ids to keep (e.g. one short task).
+    system_prompt: "default" prepends BFCL's classic instructions
     (persona, task, multi-turn behaviour; not its text-format rules, since calls are native tool calls), None keeps
     only the question's own system message (BFCL's FC mode exactly), any other string is used as given.
     """
