@@ -14,6 +14,11 @@ The paper's ablation arms (the official launch scripts in examples/drmas_trainer
                                           WORLD tokens (run_checklist_noshare.sh)
     --env rehearse                        EnvACE: one set of weights plays both roles (run_checklist_share.sh)
     --env real --train-roles act          the real environment (a ceiling, not one of the paper's arms)
+
+This file is the run: its config (TrainConfig, one flag per field), the loop and its two kinds of step, the CLI.
+The pieces it puts together live one concern per file: grpo.py (the GRPO math: masked log-probs, advantages,
+the loss), warm_start.py (the supervised warm start's sequences and loss), distributed.py (processes, FSDP2,
+sums over ranks), checkpoint.py (model folders, checkpoints, resume, the metrics log).
 """
 from __future__ import annotations
 
@@ -33,154 +38,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+import torch.distributed as dist
+from tqdm import tqdm
 
-from bench import BENCHES
+import policy
+import reward
+import rollout
+from bench import BENCHES, BenchUnavailable, lacks, load_bench, optional, settings
 from chat_format import CALL_FORMATS
-from rollout import Role, role_mask, role_weights
-
-# ----------------------------------------------------------------------------------------------------------
-# Role-masked token log-probs, chunked (the full [B, T, V] float32 tensor is never built)
-
-
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = hidden @ weight.t()
-    if logits.dtype in (torch.float16, torch.bfloat16):  # the softmax always runs in at least fp32
-        logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets[:, None])[:, 0]
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
-    """log p(ids[b, t] | ids[b, :t]) at positions where `loss_mask` is True; exactly 0 elsewhere.
-
-    Only the masked positions go through the LM head, `chunk_size` positions at a time, each chunk under
-    activation checkpointing: the peak is one [chunk, V] block instead of [B, T, V], in forward and backward.
-    ids/loss_mask/attention_mask: [B, T]; sequences are right-padded (positions 0..len-1).
-    """
-    if attention_mask is None:
-        attention_mask = torch.ones_like(ids)
-    # The root forward (not the inner decoder) must run, so FSDP's hooks gather the root's parameters; the
-    # LM head is swapped out for the call so it returns the final hidden states instead of [B, T, V] logits.
-    head = model.get_output_embeddings()
-    model.set_output_embeddings(torch.nn.Identity())
-    try:
-        hidden = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits   # [B, T, H]
-    finally:
-        model.set_output_embeddings(head)
-    predict = loss_mask[:, 1:]                                                          # token t from state t-1
-    h = hidden[:, :-1][predict]                                                         # [N, H]
-    targets = ids[:, 1:][predict]
-    weight = head.weight
-    parts = []
-    for s in range(0, h.shape[0], chunk_size):
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logprobs, h[s:s + chunk_size], weight, targets[s:s + chunk_size],
-                                    temperature, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(h[s:s + chunk_size], weight, targets[s:s + chunk_size], temperature))
-    # no trained position in this batch: an empty result that is still part of the graph, so backward()
-    # works (zero gradients) instead of failing with "does not require grad"
-    flat = torch.cat(parts) if parts else _chunk_logprobs(h, weight, targets, temperature)
-    out = torch.zeros(predict.shape, dtype=flat.dtype, device=ids.device).masked_scatter(predict, flat)
-    return F.pad(out, (1, 0))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# GRPO
-
-
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale_std: bool = True, eps: float = 1e-6):
-    """(r - mean_group) / (std_group + eps), or Dr.GRPO's r - mean_group with scale_std=False.
-
-    A group whose rewards are all equal (including a group of one) gets advantage 0: no gradient.
-    Returns (advantages, number of such zero-signal groups).
-    """
-    adv = torch.zeros_like(rewards, dtype=torch.float32)
-    flat_groups = 0
-    for g in torch.unique(group_ids):
-        sel = group_ids == g
-        r = rewards[sel].float()
-        if r.numel() < 2 or torch.all(r == r[0]):
-            flat_groups += 1
-            continue
-        centred = r - r.mean()
-        adv[sel] = centred / (r.std(unbiased=False) + eps) if scale_std else centred
-    return adv, flat_groups
-
-
-@dataclass
-class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 3.0          # bound on the loss of negative-advantage tokens (Ye et al.); 0 = off
-    kl_coef: float = 0.0            # k3 KL to the frozen reference; 0 = no reference model
-    aggregate: str = "token_mean"   # or "seq_mean": mean over each sequence's tokens, then over sequences
-    role_weights: dict = field(default_factory=lambda: {"act": 1.0, "world": 1.0})
-
-
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, roles: torch.Tensor,
-              train_roles, cfg: LossConfig, ref_logp: torch.Tensor | None = None, token_weight_sum=None):
-    """Clipped-ratio policy loss on the trained roles' tokens. All inputs [B, T] except advantages [B] or [B, T].
-
-    `token_weight_sum` lets gradient accumulation divide by the token count of the whole batch (so micro-
-    batches add up to one token mean); by default this micro-batch's own count.
-    Returns (loss, stats dict of floats).
-    """
-    mask = role_mask(roles, train_roles)                              # [B, T] bool
-    weight = role_weights(roles, train_roles, cfg.role_weights).to(logp.dtype)   # [B, T], 0 off the mask
-    adv = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
-    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
-    ratio = torch.exp(log_ratio)
-    surr1 = ratio * adv
-    surr2 = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
-    per_token = -torch.min(surr1, surr2)
-    if cfg.dual_clip > 0:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
-    kl = torch.zeros_like(logp)
-    if ref_logp is not None and cfg.kl_coef > 0:
-        d = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))
-        kl = torch.exp(d) - d - 1                                 # k3: unbiased, always >= 0
-        per_token = per_token + cfg.kl_coef * kl
-    per_token = per_token * weight
-    if cfg.aggregate == "token_mean":
-        denom = token_weight_sum if token_weight_sum is not None else weight.sum().clamp(min=1e-8)
-        loss = per_token.sum() / denom
-    elif cfg.aggregate == "seq_mean":
-        seq = per_token.sum(-1) / weight.sum(-1).clamp(min=1e-8)
-        has = (weight.sum(-1) > 0).float()
-        denom = token_weight_sum if token_weight_sum is not None else has.sum().clamp(min=1)
-        loss = (seq * has).sum() / denom
-    else:
-        raise ValueError(f"aggregate must be token_mean or seq_mean, not {cfg.aggregate!r}")
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        clipped = mask & (((ratio < 1 - cfg.clip_low) & (adv < 0)) | ((ratio > 1 + cfg.clip_high) & (adv > 0)))
-        stats = {"clip_frac": float(clipped.sum() / n), "kl": float((kl * mask).sum() / n),
-                 "ratio_mean": float((ratio * mask).sum() / n), "tokens": int(mask.sum())}
-    return loss, stats
-
-
-def role_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.Tensor, train_roles,
-                    scale_std: bool, per_role: bool):
-    """Per-token advantages [B, T]. per_role=True normalises each role over the rows that contain it, as the
-    official code's (task, role) groups do; otherwise one advantage per row for all its trained tokens."""
-    adv, flat = group_advantages(rewards, group_ids, scale_std)
-    out = adv[:, None].expand_as(roles).clone()
-    if per_role:
-        for role in train_roles:
-            has = (roles == int(role)).any(-1)
-            if not has.any():
-                continue
-            role_adv = torch.zeros_like(adv)
-            role_adv[has], _ = group_advantages(rewards[has], group_ids[has], scale_std)
-            out = torch.where(roles == int(role), role_adv[:, None], out)
-    return out, flat
-
+from checkpoint import (WORLD_DIR, CheckpointError, MetricsLog, VocabularyMismatch, grpo_start_snapshot,
+                        latest_checkpoint, load_model, load_optimizer_state, read_state, reference_model,
+                        save_checkpoint, write_atomic)
+from cli import OneLineParser, parse_task_opts as parse_opts_text, template_kwargs_text
+from distributed import (Dist, all_sum, autocast, enable_activation_checkpointing, gather_sums,
+                         gathered_for_generation, setup_dist, shard)
+from grpo import LossConfig, grpo_loss, role_advantages, token_logprobs
+from rollout import Role, load_engine, role_mask, role_weights
+from warm_start import sft_loss, sft_sequence
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration
@@ -231,6 +105,9 @@ class TrainConfig:
     max_world_tokens: int | None = opt(None, f"tokens per rehearsed tool response (default: {PER_BENCH})")
     max_turns: int | None = opt(None, f"assistant turns per trajectory (default: {PER_BENCH})")
     max_total_len: int | None = opt(None, f"tokens per trajectory, prompt included (default: {PER_BENCH})")
+    respond_at_turn_limit: bool = opt(True, "a single-turn task's calls still get their responses (rehearsed by the "
+                                      "world role under --env rehearse) before the episode ends, so every call "
+                                      "trains the world model; the verdict never reads them")
     clip_low: float = opt(0.2, "PPO ratio clip below 1")
     clip_high: float = opt(0.2, "PPO ratio clip above 1")
     dual_clip: float = opt(3.0, "dual-clip bound for negative advantages (0: off)")
@@ -272,7 +149,6 @@ class TrainConfig:
     def resolved(self) -> "TrainConfig":
         """A copy with every None (and the 'auto' choices) replaced by its value for this model and benchmark.
         Runs saved before these were None stored -1 for 'auto': read the same."""
-        from bench import settings
         c = TrainConfig(**asdict(self))
         tiny = c.model == "tiny"
         bench = settings.settings_for(c.bench)
@@ -291,7 +167,6 @@ class TrainConfig:
         if c.activation_checkpointing == "auto":
             c.activation_checkpointing = "off" if tiny else "on"
         if c.reward == "auto":
-            import reward
             c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
         return c
 
@@ -313,6 +188,7 @@ class ConfigError(ValueError):
 
 
 def parse_roles(text: str) -> list[Role]:
+    """'act,world' -> [Role.ACT, Role.WORLD]; anything else is a ConfigError."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in ROLE_NAMES]
     if bad or not names:
@@ -321,19 +197,12 @@ def parse_roles(text: str) -> list[Role]:
 
 
 def parse_task_opts(text: str) -> dict:
-    """'families=balance,send,holdout=pairs' -> {'families': 'balance,send', 'holdout': 'pairs'} (a comma
-    starts a new pair only before 'key='); values that read as JSON (numbers, true/false) are converted."""
-    import re
-    out = {}
-    for part in filter(None, (p.strip() for p in re.split(r",(?=\s*\w+=)", text))):
-        key, sep, value = part.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--task-opts takes key=value pairs separated by commas, got {part!r}")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
+    """--task-opts as load_tasks options (cli.parse_task_opts, the parser evaluate.py uses too); ConfigError on a
+    malformed one."""
+    try:
+        return parse_opts_text(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def parse_tool_names(text: str) -> frozenset:
@@ -345,7 +214,7 @@ def parse_tool_names(text: str) -> frozenset:
 
 
 def validate(cfg: TrainConfig):
-    from bench import BENCHES, load_bench
+    """Refuse a bad flag value (or combination) with a ConfigError naming the flag, before anything loads."""
     if cfg.bench not in BENCHES:
         raise ConfigError(f"unknown --bench {cfg.bench!r}; choose one of: {', '.join(BENCHES)}")
     if cfg.env not in ("rehearse", "real", "sim"):
@@ -363,7 +232,6 @@ def validate(cfg: TrainConfig):
     if cfg.world_model == "separate" and (cfg.env != "rehearse" or roles and Role.WORLD not in roles):
         raise ConfigError("--world-model separate trains a second model on the WORLD tokens it writes: it needs "
                           "--env rehearse and WORLD among --train-roles (for an untrained simulator use --env sim)")
-    import reward
     if cfg.reward not in (*reward.REWARD_KINDS, "auto"):
         raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)} or auto, not {cfg.reward!r}")
     if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
@@ -397,7 +265,7 @@ def validate(cfg: TrainConfig):
     if cfg.tool_call_format and cfg.tool_call_format not in CALL_FORMATS:
         raise ConfigError(f"--tool-call-format must be one of {', '.join(CALL_FORMATS)}, not {cfg.tool_call_format!r}")
     resolved = cfg.resolved()
-    if resolved.sft_steps > 0 and not hasattr(load_bench(cfg.bench), "reference_messages"):
+    if resolved.sft_steps > 0 and "reference_messages" in lacks(load_bench(cfg.bench)):
         raise ConfigError(f"--sft-steps {resolved.sft_steps}: benchmark {cfg.bench!r} has no reference solutions "
                           "to warm-start on; use --sft-steps 0")
     if cfg.sft_memory not in ("real", "self"):
@@ -406,7 +274,7 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-world-frac must be in [0, 1], got {cfg.sft_world_frac}")
     if not 0 <= cfg.sft_world_lookup <= 1:
         raise ConfigError(f"--sft-world-lookup must be in [0, 1], got {cfg.sft_world_lookup}")
-    if cfg.sft_world_frac > 0 and not hasattr(load_bench(cfg.bench), "world_examples"):
+    if cfg.sft_world_frac > 0 and optional(load_bench(cfg.bench), "world_examples") is None:
         raise ConfigError(f"--sft-world-frac needs a benchmark that generates world examples (toyworld); "
                           f"{cfg.bench!r} has none")
     parse_tool_names(cfg.sft_world_skip)
@@ -429,7 +297,6 @@ def validate(cfg: TrainConfig):
 
 def template_kwargs(cfg: TrainConfig) -> dict | None:
     """--chat-template-kwargs parsed; None when not given (the model's saved variables then apply)."""
-    import policy
     if not cfg.chat_template_kwargs:
         return None
     try:
@@ -439,110 +306,19 @@ def template_kwargs(cfg: TrainConfig) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Distributed setup: FSDP2 under torchrun (NCCL on CUDA, gloo on CPU), a plain module otherwise
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_dist() -> Dist:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    if world_size == 1:
-        return Dist(device=torch.device("cuda" if cuda else "cpu"))
-    import torch.distributed as dist
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank=dist.get_rank(), world_size=world_size, device=torch.device(f"cuda:{local}" if cuda else "cpu"))
-
-
-def shard(model, d: Dist):
-    """FSDP2: each decoder layer, then the root; bf16 compute with fp32 reduction on GPU."""
-    if d.world_size == 1:
-        return model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if d.device.type == "cuda" else MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
-class gathered_for_generation:
-    """Unshard every FSDP module once for a whole rollout (no per-token all-gathers; ranks may generate
-    different numbers of tokens), then reshard. A no-op without FSDP."""
-
-    def __init__(self, model):
-        from torch.distributed.fsdp import FSDPModule
-        self.root = model
-        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-    def __enter__(self):
-        for m in self.modules:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.unshard()
-
-    def __exit__(self, *exc):
-        for m in self.modules:
-            m.reshard()
-            # back to fully_shard's defaults: the root keeps its parameters after forward (token_logprobs then
-            # uses the unsharded LM-head weight; resharded, it would be a DTensor and the matmul fails)
-            m.set_reshard_after_forward(m is not self.root, recurse=False)
-
-
-def all_sum(values: list[float], d: Dist) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=d.device)
-    if d.world_size > 1:
-        import torch.distributed as dist
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def gather_sums(sums: dict[str, list[float]], d: Dist) -> dict[str, list[float]]:
-    """Per-key lists of sums added over ranks (keys may differ between ranks)."""
-    if d.world_size == 1:
-        return sums
-    import torch.distributed as dist
-    parts = [None] * d.world_size
-    dist.all_gather_object(parts, sums)
-    out: dict[str, list[float]] = {}
-    for part in parts:
-        for key, vals in part.items():
-            out[key] = [a + b for a, b in zip(out.get(key, [0.0] * len(vals)), vals)]
-    return out
-
-
-def autocast(d: Dist):
-    if d.device.type == "cuda" and d.world_size == 1:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # One policy update on a batch of rollout rows (shared by the loop, the SFT warm start and the tests)
 
 
 @dataclass
 class Batch:
+    """A batch of rollout rows as the policy update reads them."""
     ids: torch.Tensor          # [B, T] right-padded
     roles: torch.Tensor        # [B, T]
     old_logp: torch.Tensor     # [B, T] sampling log-probs
     advantages: torch.Tensor   # [B, T]
 
     def rows(self, idx):
+        """The rows `idx` (a slice or an index tensor) as a Batch."""
         return Batch(self.ids[idx], self.roles[idx], self.old_logp[idx], self.advantages[idx])
 
 
@@ -604,283 +380,9 @@ def optimizer_step(model, optimizer, grad_clip: float) -> tuple[float, bool]:
     return norm, True
 
 
-WORLD_EXAMPLE_MAX_CALLS = 4   # the reference chats of the toy world hold 1-4 calls
-
-
-def world_response_tools(engine, task, ids: list[int], roles: list[int]) -> list[tuple[int, int, str | None]]:
-    """(start, end, tool name) of each WORLD stretch of a sequence: the k-th stretch after an assistant turn
-    answers that turn's k-th call, parsed from the turn's own tokens (None for a malformed call). Works on
-    every warm-start layout (reference chats, rehearsal-format examples, world examples)."""
-    spans, names, k, start = [], [], 0, 0
-    for pos in range(1, len(roles) + 1):
-        if pos < len(roles) and roles[pos] == roles[start]:
-            continue
-        role = roles[start]
-        if role == Role.ACT:
-            body = [t for t in ids[start:pos] if t != engine.fmt.eos_id]
-            parsed = engine.fmt.parse(engine.tok.decode(body, skip_special_tokens=False), task.tools)
-            names, k = [getattr(item, "name", None) for item in parsed.items], 0
-        elif role == Role.WORLD:
-            spans.append((start, pos, names[k] if k < len(names) else None))
-            k += 1
-        start = pos
-    return spans
-
-
-def without_world_loss(engine, task, ids: list[int], roles: list[int], tools: frozenset) -> list[int]:
-    """roles with the WORLD tokens of responses to `tools` turned into PROMPT: no loss on them, while the
-    calls that lead to them (ACT) are still trained."""
-    roles = list(roles)
-    for start, end, name in world_response_tools(engine, task, ids, roles):
-        if name in tools:
-            roles[start:end] = [int(Role.PROMPT)] * (end - start)
-    return roles
-
-
-def sft_sequence(engine, bench, task, rehearsal_frac: float, rng: random.Random, world_frac: float = 0.0,
-                 world_skip: frozenset = frozenset(), memory: str = "real", sampling=None, world_lookup: float = 0.0):
-    """(ids, roles) of one warm-start sequence: with probability world_frac a world example
-    (bench.world_examples: random valid and invalid calls with their real responses, a world_lookup share of
-    them valid lookups, never of a tool in world_skip), else the reference
-    chat, or with probability rehearsal_frac one of rehearse.warm_start_examples (an assessment or a
-    memory-prefixed turn, its memory lines from `memory`, "self" sampled with `sampling`) built from it.
-    Responses of the tools in world_skip carry no loss."""
-    import rehearse
-    import rollout
-    seq, world_example = None, world_frac > 0 and rng.random() < world_frac
-    if world_example:
-        n_calls = rng.randint(1, WORLD_EXAMPLE_MAX_CALLS)
-        messages = bench.world_examples(task, rng, n_calls, lookup_frac=world_lookup, skip_lookups=world_skip) \
-            if world_lookup else bench.world_examples(task, rng, n_calls)
-    else:
-        messages = bench.reference_messages(task)
-        if rehearsal_frac > 0 and rng.random() < rehearsal_frac:
-            examples = rehearse.warm_start_examples(engine, task, messages, bench.make_env, rng, memory=memory,
-                                                    sampling=sampling)
-            if examples:
-                seq = rng.choice(examples)
-    ids, roles = seq if seq is not None else rollout.encode_conversation(engine, task, messages)
-    if world_skip:
-        roles = without_world_loss(engine, task, ids, roles, world_skip)
-    if world_example:   # the random calls are not behaviour to imitate: only their responses (WORLD) train
-        roles = [int(Role.PROMPT) if r == Role.ACT else r for r in roles]
-    return ids, roles
-
-
-def sft_loss(model, seqs: list[tuple[list[int], list[int]]], train_roles, d: Dist, pad_id: int, chunk_size: int):
-    """Mean negative log-likelihood of the trained roles' tokens of reference sequences; backward included."""
-    width = max(len(i) for i, _ in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    roles = torch.zeros((len(seqs), width), dtype=torch.long)
-    for b, (i, r) in enumerate(seqs):
-        ids[b, :len(i)], roles[b, :len(r)] = torch.tensor(i), torch.tensor(r)
-    ids, roles = ids.to(d.device), roles.to(d.device)
-    mask = role_mask(roles, train_roles)
-    total = max(all_sum([float(mask.sum())], d)[0], 1.0)
-    with autocast(d):
-        logp = token_logprobs(model, ids, mask, (roles != Role.PAD).long(), 1.0, chunk_size)
-    loss = -(logp * mask).sum() / total
-    (loss * d.world_size).backward()
-    return all_sum([float(loss.detach())], d)[0], int(all_sum([float(mask.sum())], d)[0])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Runs: config, metrics, checkpoints (atomic), resume
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed from; the message names the file and the fix."""
-
-
-def write_atomic(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def save_model_folder(model, tok, folder: Path, d: Dist, template_kwargs: dict | None = None):
-    """The full model (gathered from FSDP shards) and tokenizer (with its chat template and the template
-    variables) as an HF folder, written by rank 0."""
-    import torch.distributed as dist
-
-    import policy
-    if d.world_size > 1:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        dist.barrier()
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        full = None
-    if d.main:
-        model.save_pretrained(folder, state_dict=full) if full is not None else model.save_pretrained(folder)
-        tok.save_pretrained(folder)
-        policy.save_template_kwargs(folder, template_kwargs or {})
-    if d.world_size > 1:
-        dist.barrier()
-
-
-def grpo_start_snapshot(model, tok, run: Path, d: Dist) -> Path:
-    """RUN/reference/: the policy as GRPO began (the end of the warm start), written once (temp folder, then
-    renamed; gathered from the shards under FSDP). The KL reference, the default frozen simulator and the
-    separate world model's starting point are all loaded back from it, so a resumed run gets the models of
-    the uninterrupted one, bit for bit, instead of the policy it resumed from (and no sharded model is ever
-    deep-copied, which FSDP2 does not support)."""
-    folder = run / "reference"
-    if not (folder / "config.json").exists():
-        tmp = run / ".reference.tmp"
-        if d.main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        save_model_folder(model, tok, tmp, d)
-        if d.main:
-            os.replace(tmp, folder)
-        if d.world_size > 1:
-            import torch.distributed as dist
-            dist.barrier()
-    return folder
-
-
-def enable_activation_checkpointing(model):
-    """Recompute each decoder layer in backward (non-reentrant); active in train mode only."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-
-
-def load_model(folder: Path, d: Dist, what: str, tok=None, trainable: bool = False, checkpointing: bool = False):
-    """A model from an HF folder, sharded like the policy; frozen (eval, no gradients) unless trainable
-    (then with activation checkpointing when asked, as the policy).
-    With `tok` (the policy's tokenizer), a model with another vocabulary is refused: both models read one
-    token sequence."""
-    import policy
-    try:
-        model, its_tok = policy.load_policy(str(folder), dtype=torch.float32, device=d.device)
-    except policy.PolicyLoadError as exc:
-        raise CheckpointError(f"cannot load {what} from {folder} ({exc})") from exc
-    if tok is not None and its_tok.get_vocab() != tok.get_vocab():
-        raise ConfigError(f"{what} {folder} has another tokenizer than the policy; both models read one token "
-                          "sequence, so they must share the vocabulary")
-    if trainable and checkpointing:
-        enable_activation_checkpointing(model)
-    model = shard(model, d)
-    for p in model.parameters():
-        p.requires_grad_(trainable)
-    return model.train() if trainable else model.eval()
-
-
-def reference_model(model, tok, run: Path, d: Dist):
-    """The frozen KL reference: the policy as GRPO began."""
-    folder = grpo_start_snapshot(model, tok, run, d)
-    try:
-        return load_model(folder, d, "the KL reference")
-    except CheckpointError as exc:
-        raise CheckpointError(f"{exc}; delete {folder} to take the resumed policy as the reference") from exc
-
-
 def make_optimizer(model, cfg: TrainConfig):
+    """AdamW over the model's parameters with the run's lr, weight decay and beta2."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, cfg.beta2))
-
-
-def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict,
-                    template_kwargs: dict | None = None, world=None):
-    """ckpt/step_N/: HF folder (model + tokenizer with its chat template, the template variables),
-    optim_rank{r}.pt, state.json; then `latest` -> it. With world=(model, optimizer) (--world-model
-    separate), the world model in ckpt/step_N/world_model/ beside optim_world_rank{r}.pt.
-
-    Everything is written into a hidden temp folder that is renamed into place, and `latest` is replaced
-    last, so a kill at any moment leaves the previous checkpoint as the latest complete one.
-    """
-    import torch.distributed as dist
-
-    name = f"step_{step:06d}"
-    final = run / "ckpt" / name
-    tmp = run / "ckpt" / f".{name}.tmp"
-    if d.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    save_model_folder(model, tok, tmp, d, template_kwargs)
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, tmp / f"optim_rank{d.rank}.pt")
-    if world is not None:
-        if d.main:
-            (tmp / WORLD_DIR).mkdir()
-        save_model_folder(world[0], tok, tmp / WORLD_DIR, d, template_kwargs)
-        torch.save({"optimizer": world[1].state_dict()}, tmp / f"optim_world_rank{d.rank}.pt")
-    if d.world_size > 1:
-        dist.barrier()
-    if d.main:
-        state = {"step": step, "world_size": d.world_size, "config": asdict(cfg), **extra}
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        write_atomic(run / "latest", f"ckpt/{name}\n")
-        if cfg.keep_checkpoints > 0:
-            for old in sorted((run / "ckpt").glob("step_*"))[:-cfg.keep_checkpoints]:
-                if old != final:   # hidden first, then deleted: a visible checkpoint is never half-removed
-                    trash = old.with_name(f".trash-{old.name}")
-                    os.replace(old, trash)
-                    shutil.rmtree(trash, ignore_errors=True)
-    if d.world_size > 1:
-        dist.barrier()
-    return final
-
-
-WORLD_DIR = "world_model"   # the separate world model inside a checkpoint folder
-
-
-def load_optimizer_state(optimizer, path: Path):
-    try:
-        optimizer.load_state_dict(torch.load(path, weights_only=False)["optimizer"])
-    except Exception as exc:
-        raise CheckpointError(f"cannot load optimizer state from {path}: {type(exc).__name__}: {exc}") from exc
-
-
-def latest_checkpoint(run: Path) -> Path:
-    pointer = run / "latest"
-    if not pointer.exists():
-        raise CheckpointError(f"{run} has no 'latest' checkpoint pointer; nothing to resume (start a new run "
-                              "without --resume)")
-    path = run / pointer.read_text().strip()
-    need = [path / "state.json", path / "config.json"]
-    if not path.is_dir() or any(not p.exists() for p in need):
-        raise CheckpointError(f"checkpoint {path} named by {pointer} is missing or incomplete")
-    return path
-
-
-def read_state(ckpt: Path) -> dict:
-    try:
-        return json.loads((ckpt / "state.json").read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{ckpt / 'state.json'} is corrupt ({exc}); resume from an earlier checkpoint "
-                              "by editing the 'latest' file, or start a new run") from exc
-
-
-class MetricsLog:
-    """One JSON object per line, flushed and fsynced per record, so a killed run never leaves a torn line.
-    On resume from checkpoint step_N (N steps done: 0..N-1), records of steps >= N (written after that
-    checkpoint by the killed process, and re-run now) and any torn tail are dropped first."""
-
-    def __init__(self, path: Path, keep_before_step: int | None = None):
-        self.path = path
-        if keep_before_step is not None and path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    break
-                if rec.get("step", -1) < keep_before_step:
-                    kept.append(line)
-            write_atomic(path, "".join(k + "\n" for k in kept))
-        self.f = open(path, "a")
-
-    def write(self, record: dict):
-        self.f.write(json.dumps(record) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -924,14 +426,13 @@ class Trainer:
 
 def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
     """The loop: a supervised warm start (sft_step), then GRPO (grpo_step); metrics, checkpoints, Ctrl-C."""
-    from tqdm import tqdm
-
     t, start_step = setup(cfg, resume)
     cfg, d = t.cfg, t.d
     total_steps = cfg.sft_steps + cfg.steps
     stop = {"flag": False}
 
     def on_sigint(signum, frame):
+        """First Ctrl-C: finish the step, save, exit."""
         stop["flag"] = True
         signal.signal(signal.SIGINT, signal.default_int_handler)   # a second Ctrl-C stops at once
         print("\ninterrupt: finishing this step, saving a checkpoint, then exiting", file=sys.stderr)
@@ -968,7 +469,6 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
             break
     bar.close()
     if d.world_size > 1:
-        import torch.distributed as dist
         dist.destroy_process_group()
     if grpo_steps and no_signal_steps == grpo_steps:
         if not cfg.require_update:
@@ -984,10 +484,6 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
 
 def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     """Check the run folder, resolve the config, load data, model, optimizer state and logs."""
-    import rollout
-    from bench import load_bench
-    from cli import load_engine
-
     d = setup_dist()
     cfg = cfg.resolved()
     run = Path(cfg.out)
@@ -1020,7 +516,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
         raise ConfigError(f"--sft-world-skip names no tool of {cfg.bench!r}: "
                           f"{', '.join(sorted(world_skip - known_tools))}; its tools include: "
                           f"{', '.join(sorted(known_tools)[:20])}")
-    lookup_tools = set(getattr(bench, "LOOKUP_TOOLS", ()))
+    lookup_tools = set(optional(bench, "LOOKUP_TOOLS") or ())
     if cfg.sft_world_lookup > 0 and lookup_tools and lookup_tools <= world_skip:
         raise ConfigError(f"--sft-world-lookup {cfg.sft_world_lookup} draws lookups of {', '.join(sorted(lookup_tools))}, "
                           f"but --sft-world-skip leaves every one without loss: drop one from the skip list")
@@ -1067,11 +563,9 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
 
 def user_sampling(cfg: TrainConfig):
     """Sampling of the simulated user's replies (tau2, vita): the benchmark's user limits, the run's temperature."""
-    import rollout
-    from bench import settings
     s = settings.settings_for(cfg.bench)
     return subconfig(rollout.SamplingConfig, cfg, max_new_tokens=s.user_max_new_tokens,
-                     max_total_len=s.user_max_total_len)
+                     max_total_len=s.user_max_total_len, respond_at_turn_limit=False)   # the user's one turn ends it
 
 
 def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
@@ -1083,10 +577,10 @@ def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     # self memory generates with the model: unsharded once under FSDP, as for a rollout
     with (gathered_for_generation(t.model) if cfg.sft_memory == "self" and d.world_size > 1
           else contextlib.nullcontext()), autocast(d):
-        seqs = [sft_sequence(t.engine, t.bench, task, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac,
+        seqs = [sft_sequence(t.engine, t.bench, task, t.sft_roles, cfg.sft_rehearsal_frac, pick, cfg.sft_world_frac,
                              t.world_skip, cfg.sft_memory, t.sampling, cfg.sft_world_lookup) for task in batch_tasks]
     t.model.train()
-    loss, n_tok = sft_loss(t.model, seqs, t.sft_roles, d, t.engine.tok.pad_token_id, cfg.chunk_size)
+    loss, n_tok = sft_loss(t.model, seqs, d, t.engine.tok.pad_token_id, cfg.chunk_size)
     norm, ok = optimizer_step(t.model, t.optimizer, cfg.grad_clip) if math.isfinite(loss) else (float("nan"), False)
     if not ok:
         t.optimizer.zero_grad(set_to_none=True)
@@ -1095,8 +589,6 @@ def sft_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
 
 def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     """One GRPO step: roll out G trajectories per task, score them with the verifier, update the policy."""
-    import reward
-    import rollout
     cfg, d = t.cfg, t.d
     for g in t.optimizer.param_groups:
         g["lr"] = cfg.lr
@@ -1168,11 +660,13 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     t_update = time.perf_counter() - t0
     succ = [s.components.get("success", s.reward) for s in scores]
     trained = role_mask(ro.roles, t.train_roles).bool()
-    n = dict(zip(SUM_KEYS, all_sum([
-        float(rewards.sum()), float(sum(succ)), len(scores), flat, ro.stats["act_tokens"], ro.stats["world_tokens"],
-        sum(len(x) for x in ro.rehearsal_defects), ro.stats["tokens_sampled"],
-        sum(bool(s.components.get("evaluator_error")) for s in scores), len(set(ro.task_index)),
-        int(trained.sum()), int((trained & (adv != 0)).sum())], d)))
+    local = {"reward": float(rewards.sum()), "success": float(sum(succ)), "rows": len(scores), "flat_groups": flat,
+             "act_tokens": ro.stats["act_tokens"], "world_tokens": ro.stats["world_tokens"],
+             "defects": sum(len(x) for x in ro.rehearsal_defects), "sampled": ro.stats["tokens_sampled"],
+             "evaluator_errors": sum(bool(s.components.get("evaluator_error")) for s in scores),
+             "groups": len(set(ro.task_index)), "trained_tokens": int(trained.sum()),
+             "signal_tokens": int((trained & (adv != 0)).sum())}
+    n = dict(zip(local, all_sum(list(local.values()), d)))     # each count summed over ranks, by name
     record = dict(reward_mean=n["reward"] / n["rows"], success_rate=n["success"] / n["rows"], rows=int(n["rows"]),
                   flat_groups=int(n["flat_groups"]), act_tokens=int(n["act_tokens"]),
                   world_tokens=int(n["world_tokens"]), rehearsal_defects=int(n["defects"]),
@@ -1196,10 +690,6 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
         t.samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
                          "text": rollout.describe_row(ro, t.engine.tok, 0)})
     return record, ok
-
-
-SUM_KEYS = ("reward", "success", "rows", "flat_groups", "act_tokens", "world_tokens", "defects", "sampled",
-            "evaluator_errors", "groups", "trained_tokens", "signal_tokens")   # summed over ranks each step
 
 
 class NothingToTrain(RuntimeError):
@@ -1262,7 +752,6 @@ def progress_fields(record: dict) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, its help and choices from the field's metadata."""
-    from cli import OneLineParser
     ap = OneLineParser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
                        argument_default=argparse.SUPPRESS, help_hint=True)
     kinds = {"int": int, "float": float, "str": str}
@@ -1276,7 +765,6 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         kind = kinds[str(f.type).split(" | ")[0]]
         if f.name == "chat_template_kwargs":   # the same check as evaluate.py's and rollout.py's flag
-            from cli import template_kwargs_text
             kind = template_kwargs_text
         metavar = {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         ap.add_argument(flag, type=kind, choices=choices, help=text + shown, metavar=None if choices else metavar)
@@ -1286,8 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import policy
-    from bench import BenchUnavailable
+    """The command line: parse flags (or a run's saved config with --resume), validate, train. Returns the exit
+    code: 0 done, 2 a bad flag or unusable input (one line on stderr), 1 a run that failed while training."""
     args = vars(build_parser().parse_args(argv))
     resume = args.pop("resume", None)
     try:
@@ -1309,7 +797,8 @@ def main(argv=None) -> int:
             cfg = TrainConfig(**args)
         validate(cfg)
         run = train(cfg, Path(resume) if resume else None)
-    except (ConfigError, CheckpointError, policy.PolicyLoadError, BenchUnavailable, FileNotFoundError) as exc:
+    except (ConfigError, CheckpointError, VocabularyMismatch, policy.PolicyLoadError, BenchUnavailable,
+            FileNotFoundError) as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:   # e.g. a rollout template error or an unknown split from a loader

@@ -7,6 +7,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import distributed  # noqa: E402
+import grpo  # noqa: E402
 import policy  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
@@ -15,11 +17,11 @@ from tests.scripted import tasks  # noqa: E402
 
 
 def main(model_path, out_path):
-    d = train.setup_dist()
+    d = distributed.setup_dist()
     torch.manual_seed(0)
     model, tok = policy.load_policy(model_path)
     engine = rollout.Engine(model, tok)
-    model = train.shard(model, d)
+    model = distributed.shard(model, d)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     B, T = 8, 40
@@ -29,7 +31,7 @@ def main(model_path, out_path):
     roles[1, 30:] = Role.PAD
     batch = train.Batch(ids, roles, -torch.rand(B, T, generator=g), torch.randn(B, T, generator=g))
     mine = batch.rows(slice(d.rank, None, d.world_size))
-    lcfg = train.LossConfig()
+    lcfg = grpo.LossConfig()
     losses = []
     for _ in range(3):
         st = train.policy_gradient(model, mine, [Role.ACT, Role.WORLD], lcfg, d, micro_batch=2, temperature=1.0,
@@ -37,7 +39,7 @@ def main(model_path, out_path):
         train.optimizer_step(model, opt, 1.0)
         losses.append(st["loss"])
     model.eval()
-    with train.gathered_for_generation(model) if d.world_size > 1 else torch.no_grad():
+    with distributed.gathered_for_generation(model) if d.world_size > 1 else torch.no_grad():
         ro = engine.run(tasks(2)[d.rank::d.world_size] if d.world_size > 1 else tasks(2), 1,
                         rollout.SamplingConfig(greedy=True, max_new_tokens=12), responses="rehearse")
     # an update after a rollout, as every GRPO step does: the root must again keep its parameters after forward

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
@@ -48,7 +49,7 @@ def main(model_path, mode, out_path):
     before = {k: v.clone() for k, v in full_state(other, t.d).items()}
     records = [train.grpo_step(t, step, random.Random(step))[0] for step in range(2)]
     after = full_state(other, t.d)
-    train.save_checkpoint(t.run, 2, t.model, t.engine.tok, t.optimizer, t.cfg, t.d, {"phase": "grpo"},
+    checkpoint.save_checkpoint(t.run, 2, t.model, t.engine.tok, t.optimizer, t.cfg, t.d, {"phase": "grpo"},
                           world=t.world_parts())
     if t.d.main:
         json.dump({"world_tokens": [r["world_tokens"] for r in records],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import grpo
 import policy
 import reward
 import rollout
@@ -82,8 +83,8 @@ def test_frozen_simulator_writes_the_world_tokens_never_changes_and_carries_no_l
     world, act = ro.roles == Role.WORLD, ro.roles == Role.ACT
     assert world.any() and act.any()
     with torch.no_grad():
-        by_sim = train.token_logprobs(t.sim_model, ro.ids, world, mask_all.long(), 1.0, 256)
-        by_policy = train.token_logprobs(t.model, ro.ids, act | world, mask_all.long(), 1.0, 256)
+        by_sim = grpo.token_logprobs(t.sim_model, ro.ids, world, mask_all.long(), 1.0, 256)
+        by_policy = grpo.token_logprobs(t.model, ro.ids, act | world, mask_all.long(), 1.0, 256)
     torch.testing.assert_close(by_sim[world], ro.logprobs[world], atol=1e-4, rtol=0)
     torch.testing.assert_close(by_policy[act], ro.logprobs[act], atol=1e-4, rtol=0)
     assert (by_policy[world] - ro.logprobs[world]).abs().max() > 1e-2     # not the policy's own
@@ -110,7 +111,7 @@ def test_per_role_updates_change_only_the_model_of_the_role_with_a_signal(micro_
                                                                            monkeypatch, only):
     """Advantages on one role's tokens only: its model moves, the other stays bit for bit (AdamW sees a zero
     gradient), so no gradient crosses from one role's tokens into the other role's model."""
-    real_adv = train.role_advantages
+    real_adv = grpo.role_advantages
 
     def one_role(rewards, groups, roles, train_roles, scale_std, per_role):
         adv, flat = real_adv(rewards, groups, roles, train_roles, scale_std, per_role)
@@ -212,11 +213,11 @@ def test_both_modes_run_under_fsdp_with_two_processes(micro_path, tmp_path, mode
 
 
 def test_evaluate_finds_a_per_role_checkpoints_world_model(micro_path, tmp_path, scripted):
-    """A --world-model separate checkpoint holds world_model/; evaluate.py uses it ('auto') or not ('policy')."""
+    """A --world-model separate checkpoint holds world_model/; evaluate.py uses it ('auto') or not ('shared')."""
     import evaluate
     assert run_train(small_run(micro_path, tmp_path / "run", 2)).returncode == 0
     ckpt = tmp_path / "run" / "ckpt" / "step_000003"
-    for world, expect in (("auto", str(ckpt / "world_model")), ("policy", "policy")):
+    for world, expect in (("auto", str(ckpt / "world_model")), ("shared", "shared")):
         out = tmp_path / f"eval-{world}"
         assert evaluate.main(["--model", str(ckpt), "--limit", "2", "--greedy", "--max-new-tokens", "8",
                               "--max-turns", "1", "--world-model", world, "--out", str(out)]) == 0

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import distributed
 import evaluate
+import grpo
 import policy
 import rollout
 import train
@@ -220,13 +222,13 @@ def test_activation_checkpointing_gives_the_same_log_probs_and_gradients():
     import copy
     model, tok = policy.load_policy("tiny")
     ckpt = copy.deepcopy(model)
-    train.enable_activation_checkpointing(ckpt)
+    distributed.enable_activation_checkpointing(ckpt)
     torch.manual_seed(0)
     ids = torch.randint(0, len(tok), (2, 40))
     mask = torch.rand(2, 40) < 0.5
     grads = []
     for m in (model.train(), ckpt.train()):
-        logp = train.token_logprobs(m, ids, mask)
+        logp = grpo.token_logprobs(m, ids, mask)
         (logp.sum()).backward()
         grads.append((logp.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
     torch.testing.assert_close(grads[0][0], grads[1][0])

@@ -10,15 +10,15 @@ with the CI machine's float kernels. Trained on the two evaluated families, the 
 60 in every run we measured (all eight families need more: none by step 120); the test gives 120 steps."""
 import json
 
+import checkpoint
 import evaluate
-import train
 from bench import toyworld
 from tests.scripted import run_train
 
 SFT_STEPS, GRPO_STEPS = 120, 2
 LIMIT, FAMILIES = 16, "balance,send"
 # held-out test tasks (the test split's account pairs never appear together in training)
-EVAL = ["--bench", "toyworld", "--greedy", "--limit", str(LIMIT), "--opt", f"families={FAMILIES}", "--no-fidelity"]
+EVAL = ["--bench", "toyworld", "--greedy", "--limit", str(LIMIT), "--task-opts", f"families={FAMILIES}", "--no-fidelity"]
 
 
 def follows_protocol(row, task) -> bool:
@@ -56,7 +56,7 @@ def test_training_teaches_the_held_out_tool_protocol(tmp_path):
     res = run_train(["--out", str(run), "--sft-steps", str(SFT_STEPS), "--steps", str(GRPO_STEPS),
                      "--save-every", str(SFT_STEPS + GRPO_STEPS), "--task-opts", f"families={FAMILIES}"])
     assert res.returncode == 0, res.stderr[-2000:]
-    trained = train.latest_checkpoint(run)
+    trained = checkpoint.latest_checkpoint(run)
     assert trained.name == f"step_{SFT_STEPS + GRPO_STEPS:06d}"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["phase"] for m in metrics].count("grpo") == GRPO_STEPS

@@ -20,10 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
+import distributed
+import grpo
 import policy
 import rehearse
 import rollout
 import train
+import warm_start
 from bench import ToolCall
 from chat_format import CALL_ERRORS, REHEARSAL_DEFECTS, CallError, derive_chat_format, parse_turn, validate_rehearsal
 from tests.scripted import run_train
@@ -452,7 +456,7 @@ def check_checkpoints(run):
         steps.append(state["step"])
     if not (Path(run) / "latest").exists():
         return 0
-    latest = train.latest_checkpoint(Path(run))
+    latest = checkpoint.latest_checkpoint(Path(run))
     step = json.loads((latest / "state.json").read_text())["step"]
     assert step in steps and step >= max(steps) - 1, (step, steps)   # at most the step being published
     return step
@@ -526,7 +530,7 @@ def test_sigkill_at_random_points_then_resume_matches_the_uninterrupted_run(micr
 def test_metrics_log_on_resume_keeps_only_steps_the_checkpoint_holds(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(5)) + '{"step": 5, "lo')
-    train.MetricsLog(path, keep_before_step=3).write({"step": 3})   # checkpoint step_3 = steps 0..2 done
+    checkpoint.MetricsLog(path, keep_before_step=3).write({"step": 3})   # checkpoint step_3 = steps 0..2 done
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2, 3]
 
 
@@ -564,7 +568,7 @@ def varied_rewards(monkeypatch):
 
 
 def test_a_nan_loss_skips_that_update_only(micro_path, tmp_path, monkeypatch, varied_rewards):
-    orig, calls = train.grpo_loss, [0]
+    orig, calls = grpo.grpo_loss, [0]
 
     def nan_on_step_1(*a, **kw):
         loss, st = orig(*a, **kw)
@@ -609,12 +613,13 @@ def test_no_trained_token_is_a_zero_gradient_not_a_crash(micro64):
     roles[:, :3] = Role.PROMPT
     model.zero_grad()
     batch = train.Batch(ids, roles, torch.zeros(2, 10, dtype=torch.float64), torch.ones(2, 10, dtype=torch.float64))
-    st = train.policy_gradient(model, batch, [Role.WORLD], train.LossConfig(), train.Dist(), 8, 1.0, 64)
+    st = train.policy_gradient(model, batch, [Role.WORLD], grpo.LossConfig(), distributed.Dist(), 8, 1.0, 64)
     assert st["loss"] == 0 and st["tokens"] == 0
-    loss, n = train.sft_loss(model, [(ids[0].tolist(), roles[0].tolist())], [Role.WORLD], train.Dist(), 0, 64)
+    seq = (ids[0].tolist(), roles[0].tolist(), warm_start.trained_role_mask(roles[0].tolist(), [Role.WORLD]))
+    loss, n = warm_start.sft_loss(model, [seq], distributed.Dist(), 0, 64)
     assert loss == 0 and n == 0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
-    adv, flat = train.group_advantages(torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 0, 1]))
+    adv, flat = grpo.group_advantages(torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 0, 1]))
     assert flat == 2 and torch.equal(adv, torch.zeros(3))
 
 
@@ -729,8 +734,8 @@ EVAL_BAD = [
     (["--rehearsal-mode", "beam"], "--rehearsal-mode"), (["--compare", ""], "--compare"), (["--compare", "1,-2"], "--compare"),
     (["--temperature", "0"], "--temperature"), (["--temperature", "hot"], "--temperature"), (["--top-p", "2"], "--top-p"),
     (["--seed", "x"], "--seed"), (["--max-new-tokens", "0"], "--max-new-tokens"), (["--max-world-tokens", "0"], "--max-world-tokens"),
-    (["--max-turns", "0"], "--max-turns"), (["--max-total-len", "8"], "--max-total-len"), (["--opt", "x"], "KEY=VALUE"),
-    (["--opt", "nosuchoption=1"], "nosuchoption"), (["--bench", "nope"], "--bench"), (["--split", "nosplit"], "nosplit"),
+    (["--max-turns", "0"], "--max-turns"), (["--max-total-len", "8"], "--max-total-len"), (["--task-opts", "x"], "key=value"),
+    (["--task-opts", "nosuchoption=1"], "nosuchoption"), (["--bench", "nope"], "--bench"), (["--split", "nosplit"], "nosplit"),
     (["--device", "tpu"], "device"), (["--fidelity=maybe"], "--fidelity"),
 ]
 
@@ -754,11 +759,11 @@ def test_missing_packages_and_corrupt_task_files_are_one_line_exit_2(micro_path,
     wrong.write_text('[{"no_messages": 1}]')
     vita_dir = tmp_path / "vita"
     (vita_dir / "delivery").mkdir(parents=True)
-    cases = [(["--bench", "finmcp"], "FinMCP"), (["--bench", "finmcp", "--opt", f"data={corrupt}"], "neither JSON"),
-             (["--bench", "finmcp", "--opt", f"data={wrong}"], "messages"),
-             (["--bench", "finmcp", "--opt", f"data={tmp_path / 'none.json'}"], "does not exist"),
-             (["--bench", "vita", "--opt", f"data={tmp_path / 'novita'}"], "not found"),
-             (["--bench", "vita", "--opt", f"data={vita_dir}"], "no VitaBench")]
+    cases = [(["--bench", "finmcp"], "FinMCP"), (["--bench", "finmcp", "--task-opts", f"data={corrupt}"], "neither JSON"),
+             (["--bench", "finmcp", "--task-opts", f"data={wrong}"], "messages"),
+             (["--bench", "finmcp", "--task-opts", f"data={tmp_path / 'none.json'}"], "does not exist"),
+             (["--bench", "vita", "--task-opts", f"data={tmp_path / 'novita'}"], "not found"),
+             (["--bench", "vita", "--task-opts", f"data={vita_dir}"], "no VitaBench")]
     for name in ("bfcl_eval", "tau2"):   # as if the package were not installed (and never imported)
         monkeypatch.setitem(sys.modules, name, None)
     import bench.tau2

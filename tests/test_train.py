@@ -6,9 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import distributed
+import grpo
 import policy
 import rollout
 import train
+import warm_start
 from rollout import Role
 from tests.launch import child_env, torchrun
 from tests.scripted import run_train, tasks
@@ -32,7 +35,7 @@ def test_chunked_logprobs_equal_naive_log_softmax(micro64):
     attn = (roles != Role.PAD).long()
     for chunk in (1, 5, 1000):
         for temp in (1.0, 0.7):
-            got = train.token_logprobs(model, ids, mask, attn, temperature=temp, chunk_size=chunk)
+            got = grpo.token_logprobs(model, ids, mask, attn, temperature=temp, chunk_size=chunk)
             logits = model(input_ids=ids, attention_mask=attn).logits / temp
             naive = torch.zeros_like(got)
             naive[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -47,10 +50,10 @@ def test_masked_positions_get_exactly_zero_gradient(micro64):
     ids, roles = random_batch()
     for train_roles in (ACT_WORLD, [Role.ACT]):
         mask = rollout.role_mask(roles, train_roles)
-        logp = train.token_logprobs(model, ids, mask, (roles != Role.PAD).long()).detach().requires_grad_(True)
+        logp = grpo.token_logprobs(model, ids, mask, (roles != Role.PAD).long()).detach().requires_grad_(True)
         old = torch.randn_like(logp)           # garbage everywhere, masked positions included
         adv = torch.randn(ids.shape)
-        loss, _ = train.grpo_loss(logp, old, adv, roles, train_roles, train.LossConfig(kl_coef=0.1),
+        loss, _ = grpo.grpo_loss(logp, old, adv, roles, train_roles, grpo.LossConfig(kl_coef=0.1),
                                   ref_logp=torch.randn_like(logp))
         loss.backward()
         assert torch.all(logp.grad[~mask] == 0)
@@ -62,8 +65,8 @@ def test_masked_positions_get_exactly_zero_gradient(micro64):
         model.zero_grad()
         old = torch.where(mask, torch.full(ids.shape, -1.0, dtype=torch.float64), torch.full(ids.shape, fill, dtype=torch.float64))
         adv = torch.where(mask, torch.ones(ids.shape, dtype=torch.float64), torch.full(ids.shape, fill, dtype=torch.float64))
-        logp = train.token_logprobs(model, ids, mask, (roles != Role.PAD).long())
-        loss, _ = train.grpo_loss(logp, old, adv, roles, ACT_WORLD, train.LossConfig())
+        logp = grpo.token_logprobs(model, ids, mask, (roles != Role.PAD).long())
+        loss, _ = grpo.grpo_loss(logp, old, adv, roles, ACT_WORLD, grpo.LossConfig())
         loss.backward()
         grads.append(model.lm_head.weight.grad.clone())
     assert torch.equal(grads[0], grads[1])
@@ -72,12 +75,12 @@ def test_masked_positions_get_exactly_zero_gradient(micro64):
 def test_group_advantages_on_hand_computed_groups():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.7])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
-    adv, flat = train.group_advantages(rewards, groups, scale_std=True, eps=0.0)
+    adv, flat = grpo.group_advantages(rewards, groups, scale_std=True, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0]))
     assert flat == 2                        # the all-equal group and the single-sample group
-    adv, _ = train.group_advantages(rewards, groups, scale_std=False)
+    adv, _ = grpo.group_advantages(rewards, groups, scale_std=False)
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]))
-    adv, _ = train.group_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 0, 0]), eps=0.0)
+    adv, _ = grpo.group_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 0, 0]), eps=0.0)
     std = torch.tensor([3.0, 1.0, 2.0]).std(unbiased=False)
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0]) / std)
 
@@ -86,7 +89,7 @@ def test_per_role_advantages_use_rows_that_have_the_role():
     rewards = torch.tensor([1.0, 0.0, 0.0])
     groups = torch.tensor([0, 0, 0])
     roles = torch.tensor([[2, 3], [2, 3], [2, 2]])         # row 2 has no WORLD tokens
-    adv, _ = train.role_advantages(rewards, groups, roles, ACT_WORLD, scale_std=False, per_role=True)
+    adv, _ = grpo.role_advantages(rewards, groups, roles, ACT_WORLD, scale_std=False, per_role=True)
     assert adv[0, 0] == pytest.approx(2 / 3) and adv[2, 0] == pytest.approx(-1 / 3)   # ACT: over 3 rows
     assert adv[0, 1] == pytest.approx(0.5) and adv[1, 1] == pytest.approx(-0.5)       # WORLD: over rows 0, 1
 
@@ -98,7 +101,7 @@ def test_loss_at_ratio_one_is_the_plain_policy_gradient_and_clipping_engages():
     base = torch.randn(roles.shape, dtype=torch.float64)
     adv = torch.tensor([0.7], dtype=torch.float64)
     logp = base.clone().requires_grad_(True)
-    loss, st = train.grpo_loss(logp, base.clone(), adv, roles, ACT_WORLD, train.LossConfig())
+    loss, st = grpo.grpo_loss(logp, base.clone(), adv, roles, ACT_WORLD, grpo.LossConfig())
     loss.backward()
     pg = base.clone().requires_grad_(True)
     (-(adv * pg * mask).sum() / mask.sum()).backward()
@@ -106,19 +109,19 @@ def test_loss_at_ratio_one_is_the_plain_policy_gradient_and_clipping_engages():
     assert loss.item() == pytest.approx(-0.7) and st["clip_frac"] == 0
     # ratio 1.5 with a positive advantage: clipped at 1.2, no gradient
     logp = (base + torch.log(torch.tensor(1.5))).requires_grad_(True)
-    loss, st = train.grpo_loss(logp, base, adv, roles, ACT_WORLD, train.LossConfig())
+    loss, st = grpo.grpo_loss(logp, base, adv, roles, ACT_WORLD, grpo.LossConfig())
     loss.backward()
     assert st["clip_frac"] == 1.0 and torch.all(logp.grad == 0)
     assert loss.item() == pytest.approx(-0.7 * 1.2)
     # ratio 0.5 with a negative advantage: clipped at 0.8
     logp = (base + torch.log(torch.tensor(0.5))).requires_grad_(True)
-    loss, st = train.grpo_loss(logp, base, -adv, roles, ACT_WORLD, train.LossConfig())
+    loss, st = grpo.grpo_loss(logp, base, -adv, roles, ACT_WORLD, grpo.LossConfig())
     assert st["clip_frac"] == 1.0 and loss.item() == pytest.approx(0.7 * 0.8)
     # ratio 10 with a negative advantage: dual clip bounds the loss at 3 * |A|
     logp = (base + torch.log(torch.tensor(10.0))).requires_grad_(True)
-    loss, _ = train.grpo_loss(logp, base, -adv, roles, ACT_WORLD, train.LossConfig(dual_clip=3.0))
+    loss, _ = grpo.grpo_loss(logp, base, -adv, roles, ACT_WORLD, grpo.LossConfig(dual_clip=3.0))
     assert loss.item() == pytest.approx(3 * 0.7)
-    loss, _ = train.grpo_loss(logp, base, -adv, roles, ACT_WORLD, train.LossConfig(dual_clip=0.0))
+    loss, _ = grpo.grpo_loss(logp, base, -adv, roles, ACT_WORLD, grpo.LossConfig(dual_clip=0.0))
     assert loss.item() == pytest.approx(10 * 0.7)
 
 
@@ -129,7 +132,7 @@ def test_grpo_raises_the_reward_of_a_trivially_learnable_target(micro_path):
     engine = rollout.Engine(model, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     cfg = rollout.SamplingConfig(max_new_tokens=3, temperature=1.0)
-    d = train.Dist()
+    d = distributed.Dist()
 
     def rollout_and_reward(seed):
         ro = engine.run(tasks(2), 16, rollout.SamplingConfig(**{**cfg.__dict__, "seed": seed}), responses="rehearse")
@@ -139,9 +142,9 @@ def test_grpo_raises_the_reward_of_a_trivially_learnable_target(micro_path):
     before = torch.cat([rollout_and_reward(1000 + s)[1] for s in range(3)]).mean()
     for step in range(24):
         ro, r = rollout_and_reward(step)
-        adv, _ = train.role_advantages(r, torch.tensor(ro.task_index), ro.roles, [Role.ACT], True, False)
+        adv, _ = grpo.role_advantages(r, torch.tensor(ro.task_index), ro.roles, [Role.ACT], True, False)
         train.policy_gradient(model, train.Batch(ro.ids, ro.roles, ro.logprobs, adv), [Role.ACT],
-                              train.LossConfig(), d, micro_batch=32, temperature=1.0, chunk_size=256)
+                              grpo.LossConfig(), d, micro_batch=32, temperature=1.0, chunk_size=256)
         train.optimizer_step(model, opt, 1.0)
     after = torch.cat([rollout_and_reward(1000 + s)[1] for s in range(3)]).mean()
     print(f"first-token-even reward: {float(before):.3f} -> {float(after):.3f}")
@@ -262,7 +265,7 @@ def test_world_response_tools_name_every_world_stretch_in_every_warm_start_layou
     layouts += [(ex, None) for ex in rehearse.warm_start_examples(engine, task, ref, tw.make_env, _random.Random(1))]
     assert int(Role.WORLD) in layouts[2][0][1]   # the assessment example holds its proposal's response
     for (ids, roles), messages in layouts:
-        spans = train.world_response_tools(engine, task, ids, roles)
+        spans = warm_start.world_response_tools(engine, task, ids, roles)
         assert all(name in tw._SIGNATURES for _, _, name in spans)
         assert spans or messages is None   # a memory example before the first call has no response yet
         for start, end, name in spans:
@@ -284,35 +287,41 @@ def test_skipped_tools_responses_carry_no_warm_start_loss(micro_path):
     engine = rollout.Engine(model, tok)
     task = afford_task()
     ids, roles = rollout.encode_conversation(engine, task, tw.reference_messages(task))
-    skipped = train.without_world_loss(engine, task, ids, roles, frozenset({"get_price"}))
-    price = next((s, e) for s, e, n in train.world_response_tools(engine, task, ids, roles) if n == "get_price")
+    mask = warm_start.trained_role_mask(roles, ACT_WORLD)
+    skipped = warm_start.without_world_loss(engine, task, ids, roles, mask, frozenset({"get_price"}))
+    price = next((s, e) for s, e, n in warm_start.world_response_tools(engine, task, ids, roles) if n == "get_price")
     assert '"price"' in tok.decode(ids[price[0]:price[1]])
-    changed = [i for i in range(len(ids)) if skipped[i] != roles[i]]
-    assert changed == list(range(*price)) and all(skipped[i] == Role.PROMPT for i in changed)
-    assert skipped.count(int(Role.ACT)) == roles.count(int(Role.ACT))   # acting on it is still learned
+    changed = [i for i in range(len(ids)) if skipped[i] != mask[i]]
+    assert changed == list(range(*price)) and not any(skipped[i] for i in changed)
+    assert all(skipped[i] for i in range(len(ids)) if roles[i] == Role.ACT)   # acting on it is still learned
     # the loss is the mean NLL over exactly the other trained tokens; no gradient reaches the skipped ones
-    d = train.Dist()
-    loss, n_tok = train.sft_loss(model, [(ids, skipped)], ACT_WORLD, d, tok.pad_token_id, 64)
+    d = distributed.Dist()
+    loss, n_tok = warm_start.sft_loss(model, [(ids, roles, skipped)], d, tok.pad_token_id, 64)
     full_mask = rollout.role_mask(torch.tensor([roles]), ACT_WORLD)
     with torch.no_grad():
-        logp = train.token_logprobs(model, torch.tensor([ids]), full_mask, chunk_size=64)[0]
+        logp = grpo.token_logprobs(model, torch.tensor([ids]), full_mask, chunk_size=64)[0]
     keep = [i for i in range(len(ids)) if full_mask[0, i] and not price[0] <= i < price[1]]
     assert n_tok == len(keep)
     assert loss == pytest.approx(float(-logp[keep].sum() / len(keep)), rel=1e-5)
     # every response skipped and only WORLD trained: nothing is left to learn from the sequence
     model.zero_grad()
-    all_skipped = train.without_world_loss(engine, task, ids, roles, frozenset({"get_balance", "get_price", "buy"}))
-    assert train.sft_loss(model, [(ids, all_skipped)], [Role.WORLD], d, tok.pad_token_id, 64)[1] == 0
+    world_only = warm_start.trained_role_mask(roles, [Role.WORLD])
+    all_skipped = warm_start.without_world_loss(engine, task, ids, roles, world_only,
+                                                frozenset({"get_balance", "get_price", "buy"}))
+    assert warm_start.sft_loss(model, [(ids, roles, all_skipped)], d, tok.pad_token_id, 64)[1] == 0
     assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in model.parameters())
-    # a world example: its random calls are not imitated (no ACT), its responses are WORLD
-    ids_w, roles_w = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0)
-    assert Role.ACT not in roles_w and roles_w.count(int(Role.WORLD)) > 0
-    ids_s, roles_s = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0,
-                                        world_skip=frozenset({"get_balance", "get_price", "buy", "transfer"}))
-    assert ids_s == ids_w and Role.WORLD not in roles_s
+    # a world example: its random calls stay ACT (roles say who wrote a token) but are not imitated (no loss);
+    # only its responses (WORLD) train
+    ids_w, roles_w, mask_w = warm_start.sft_sequence(engine, tw, task, ACT_WORLD, 0.0, _random.Random(0),
+                                                     world_frac=1.0)
+    assert Role.ACT in roles_w and mask_w == [r == Role.WORLD for r in roles_w] and any(mask_w)
+    every_tool = frozenset({"get_balance", "get_price", "buy", "transfer"})
+    ids_s, roles_s, mask_s = warm_start.sft_sequence(engine, tw, task, ACT_WORLD, 0.0, _random.Random(0),
+                                                     world_frac=1.0, world_skip=every_tool)
+    assert ids_s == ids_w and roles_s == roles_w and not any(mask_s)
     # lookups are never drawn for a skipped tool: every world-example call is a get_balance
-    ids_l, _ = train.sft_sequence(engine, tw, task, 0.0, _random.Random(0), world_frac=1.0,
-                                  world_skip=frozenset({"get_price"}), world_lookup=1.0)
+    ids_l, _, _ = warm_start.sft_sequence(engine, tw, task, ACT_WORLD, 0.0, _random.Random(0), world_frac=1.0,
+                                          world_skip=frozenset({"get_price"}), world_lookup=1.0)
     text = tok.decode(ids_l[len(rollout.encode_conversation(engine, task, task.messages)[0]):])
     assert "get_balance" in text and "get_price" not in text
 
@@ -334,7 +343,7 @@ def test_role_weights_and_subconfigs_follow_the_config():
     assert w.tolist() == [[0.0, 1.0, 0.5, 0.0, 1.0, 0.0]]
     assert torch.equal(w > 0, rollout.role_mask(roles, [Role.ACT, Role.WORLD]))
     cfg = train.TrainConfig(clip_high=0.28, temperature=0.7, max_turns=5, kl_coef=0.01)
-    loss_cfg = train.subconfig(train.LossConfig, cfg, role_weights={"act": 2.0})
+    loss_cfg = train.subconfig(grpo.LossConfig, cfg, role_weights={"act": 2.0})
     assert (loss_cfg.clip_high, loss_cfg.kl_coef, loss_cfg.role_weights) == (0.28, 0.01, {"act": 2.0})
     sampling = train.subconfig(rollout.SamplingConfig, cfg, max_turns=9)
     assert (sampling.temperature, sampling.max_turns, sampling.seed) == (0.7, 9, cfg.seed)
