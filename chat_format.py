@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ToolCall:
+    """A parsed tool call: its name and arguments, and the assistant and user turns it belongs to."""
     name: str
     arguments: dict
     turn: int = 0          # index of the assistant turn that emitted it
@@ -36,21 +37,25 @@ CALL_ERRORS = ("malformed_json", "not_an_object", "missing_name", "bad_arguments
 
 @dataclass
 class CallError:
+    """A call that could not be parsed or checked: its kind (one of CALL_ERRORS), a message and the raw text."""
     kind: str        # one of CALL_ERRORS
     message: str
     raw: str = ""
 
     def observation(self) -> str:
+        """The JSON error the policy sees as this call's response."""
         return json.dumps({"error": f"{self.kind}: {self.message}"})
 
 
 @dataclass
 class ParsedTurn:
+    """An assistant turn parsed: its answer text and its calls and call errors in order."""
     content: str                                     # text outside tool calls and thinking
     items: list = field(default_factory=list)        # ToolCall or CallError, in the order they appear
 
     @property
     def calls(self) -> list[ToolCall]:
+        """The well-formed calls only (items without the CallErrors)."""
         return [c for c in self.items if isinstance(c, ToolCall)]
 
 
@@ -333,14 +338,17 @@ class ChatFormat:
 
     # -- parsing -----------------------------------------------------------------------------------------
     def parse(self, text: str, tools: list[dict]) -> ParsedTurn:
+        """Split an assistant turn's text into content, calls and call errors with this format's call parser."""
         return CALL_FORMATS[self.call_format](text, tools)
 
     # -- rendering -----------------------------------------------------------------------------------------
     def render(self, messages, tools=None, generation_prompt=False) -> str:
+        """Messages (and tools) rendered as text by the tokenizer's chat template, with the template kwargs."""
         return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                             add_generation_prompt=generation_prompt, **self.template_kwargs)
 
     def prompt_ids(self, messages, tools=None) -> list[int]:
+        """Messages (and tools) as the chat template tokenizes them, with the generation prompt appended."""
         return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                             tokenize=True, return_dict=False, **self.template_kwargs)
 
@@ -393,6 +401,7 @@ class ChatFormat:
         return ids, labels
 
     def encode_text(self, text: str, trusted: bool = False) -> list[int]:
+        """Token ids of one text (untrusted by default: it cannot forge added tokens or tags; see encode)."""
         return self.encode([(text, None, trusted)])[0]
 
     # -- rehearsal -----------------------------------------------------------------------------------------

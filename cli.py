@@ -1,10 +1,13 @@
 """What the command lines (train.py, evaluate.py, rollout.py) share: one-line argument errors, argument types,
-the chat-template flags, and loading a model into a rollout engine."""
+the chat-template flags and the benchmark-options flag, so one concept has one flag name everywhere."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 
+import policy
 from chat_format import CALL_FORMATS
 
 
@@ -16,6 +19,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.help_hint = help_hint
 
     def error(self, message):
+        """Write the error as one line on stderr (with a --help hint if asked for) and exit 2."""
         hint = f" (see python {self.prog} --help)" if self.help_hint else ""
         sys.stderr.write(f"{self.prog}: error: {' '.join(str(message).split())}{hint}\n")
         sys.exit(2)
@@ -36,7 +40,6 @@ def int_at_least(lo: int):
 
 def template_kwargs_arg(text: str) -> dict:
     """argparse type of --chat-template-kwargs: a JSON object."""
-    import policy
     try:
         return policy.parse_template_kwargs(text)
     except ValueError as exc:
@@ -50,7 +53,32 @@ def template_kwargs_text(text: str) -> str:
     return text
 
 
+def parse_task_opts(text: str) -> dict:
+    """--task-opts 'families=balance,send,holdout=pairs' -> {'families': 'balance,send', 'holdout': 'pairs'}:
+    extra load_tasks options of a benchmark. A comma starts a new pair only before 'key='; values that read as
+    JSON (numbers, true/false) are converted. ValueError on a part without '='."""
+    out = {}
+    for part in filter(None, (p.strip() for p in re.split(r",(?=\s*\w+=)", text or ""))):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--task-opts takes key=value pairs separated by commas, got {part!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def task_opts_arg(text: str) -> dict:
+    """argparse type of --task-opts."""
+    try:
+        return parse_task_opts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_template_args(parser: argparse.ArgumentParser):
+    """--chat-template, --chat-template-kwargs and --tool-call-format, as every command line spells them."""
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="replace the model's chat template with this jinja file (saved into checkpoints), "
                              "e.g. chat_templates/chatml-tools.jinja for ChatML models without tool support")
@@ -59,13 +87,3 @@ def add_template_args(parser: argparse.ArgumentParser):
                              "(default: those saved in the checkpoint, if any)")
     parser.add_argument("--tool-call-format", default=None, choices=list(CALL_FORMATS),
                         help="how the model writes tool calls (default: inferred from the chat template)")
-
-
-def load_engine(name: str, chat_template: str | None = None, template_kwargs: dict | None = None,
-                call_format: str | None = None, **load_kwargs):
-    """policy.load_policy + rollout.Engine; template_kwargs None means the checkpoint's saved ones.
-    Raises policy.PolicyLoadError or chat_format.TemplateError, each a one-line message naming the fix."""
-    import policy
-    import rollout
-    model, tok = policy.load_policy(name, chat_template=chat_template, **load_kwargs)
-    return rollout.Engine(model, tok, policy.template_kwargs_for(name, template_kwargs), call_format or None)

@@ -37,6 +37,16 @@ from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+import policy
+import rehearse
+from bench import BENCHES, BenchUnavailable, load_bench, optional, settings
+from chat_format import TemplateError
+from cli import OneLineParser, add_template_args, int_at_least, task_opts_arg
+from rollout import SamplingConfig, describe_row, load_engine, make_env_fn, model_user_fn
+
 GROUP_KEYS = ("family", "category", "domain")
 # rehearsal diagnostics shown in the table (B > 0); summary.json holds them all
 TABLE_DIAGNOSTICS = ("rehearsed_turns", "assessed", "assess_agree_rate", "assess_agree", "assess_disagree",
@@ -47,6 +57,7 @@ DEFAULT_TOYWORLD_LIMIT = 32
 
 
 def _budgets(text):
+    """argparse type of --compare: '0,1,2' -> [0, 1, 2]."""
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -56,28 +67,18 @@ def _budgets(text):
     return out
 
 
-def _opt(text):
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        value = json.loads(value)
-    except ValueError:
-        pass
-    return key, value
-
-
-def build_parser():
-    from bench import BENCHES
-    from cli import OneLineParser, add_template_args, int_at_least
+def build_parser() -> OneLineParser:
+    """evaluate.py's command line (one-line errors)."""
     p = OneLineParser(prog="evaluate.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="auto", help="'auto' (train.py's latest checkpoint, else tiny), 'tiny', "
                    "a local HF folder or a .gguf file")
     add_template_args(p)
     p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
-    p.add_argument("--world-model", default="auto", help="who writes the private rehearsals and fidelity probes: "
-                   "'auto' (the checkpoint's world_model/ folder, saved by a --world-model separate run, else the "
-                   "policy), 'policy', or a local HF folder sharing the policy's tokenizer")
+    p.add_argument("--world-model", default="auto", metavar="{auto,shared,separate,PATH}",
+                   help="who writes the private rehearsals and fidelity probes, as train.py's --world-model: shared "
+                   "(the policy itself), separate (the checkpoint's world_model/ folder, saved by a train.py "
+                   "--world-model separate run), auto (separate where the checkpoint has one, else shared), or a "
+                   "local HF folder sharing the policy's tokenizer")
     p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
                    "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default=None, help="split to score (default: per benchmark, bench/settings.py: "
@@ -85,8 +86,9 @@ def build_parser():
     p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N tasks of the split, in the benchmark's order (default: all; toyworld: the "
                         "first 32 of its 1000; BFCL's order is by category: pick categories with --split)")
-    p.add_argument("--opt", type=_opt, action="append", default=[], metavar="KEY=VALUE",
-                   help="extra load_tasks option, e.g. --opt category=multi_turn_base (repeatable)")
+    p.add_argument("--task-opts", type=task_opts_arg, default={}, metavar="OPTS",
+                   help="extra load_tasks options as key=value,key=value, as train.py's --task-opts (e.g. "
+                        "domain=airline, categories=simple_python)")
     p.add_argument("--num-trials", type=int_at_least(1), default=1, help="k trials per task (Avg@k, pass^k)")
     p.add_argument("--rehearsal-budget", type=int_at_least(0), default=0)
     p.add_argument("--rehearsal-mode", choices=["parallel", "sequential"], default="parallel")
@@ -113,7 +115,7 @@ def build_parser():
     p.add_argument("--max-rows", type=int_at_least(1), default=None,
                    help="KV-cache rows of one engine batch: tasks run together, each holding up to max(1, B) "
                         "rows at once (1 in sequential mode), and join as others finish (results equal running "
-                        "them one at a time; batched is faster at every budget, bench/eval_speed.py). "
+                        "them one at a time; batched is faster at every budget, perf/eval_speed.py). "
                         "Default: 64")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV-cache rows, in GB; a batch holds at most budget / (max-total-len x KV bytes "
@@ -138,9 +140,10 @@ def pass_hat_k(results_by_task: dict, k: int) -> float:
 
 
 def _pass_k_fn(bench_name):
+    """tau2's own pass^k where its package is installed, else the local formula."""
     if bench_name == "tau2":
         try:
-            from bench import tau2
+            from bench import tau2   # here, not at the top: bench.tau2 needs the optional tau2 package
             return tau2.pass_hat_k
         except (ImportError, AttributeError):
             pass
@@ -148,11 +151,13 @@ def _pass_k_fn(bench_name):
 
 
 def _mean(xs):
+    """Mean of the values that are not None (None when there are none)."""
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
 
 def group_of(task) -> str | None:
+    """The task's reporting group ("family=...", "category=..." or "domain=..."), None where it has none."""
     for key in GROUP_KEYS:
         if key in task.metadata and isinstance(task.metadata[key], (str, int)):
             return f"{key}={task.metadata[key]}"
@@ -196,8 +201,7 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
                                "predicted_errors": sum(f["predicted_error"] for f in pairs)}
     diagnosed = [r["rehearsal_diagnostics"]["counts"] for r in records if "rehearsal_diagnostics" in r]
     if diagnosed:
-        from rehearse import diagnostic_summary
-        summary["rehearsal_diagnostics"] = diagnostic_summary(diagnosed)
+        summary["rehearsal_diagnostics"] = rehearse.diagnostic_summary(diagnosed)
     st = [r["stats"] for r in records]
     tot = {key: sum(s.get(key, 0) for s in st) for key in
            ("committed_turns", "committed_calls", "committed_checked", "rehearsals", "extra_sampled", "extra_fed",
@@ -214,6 +218,7 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
 
 
 def _fmt(v):
+    """A table cell: floats to 3 decimals, None as a dash."""
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -261,6 +266,7 @@ def table(bench_name: str, runs: dict) -> str:
 
 
 def resolve_model(name: str) -> str:
+    """--model auto: the latest checkpoint `python train.py` wrote (runs/tiny-toyworld/latest), else tiny."""
     if name != "auto":
         return name
     latest = TRAIN_RUN / "latest"
@@ -272,25 +278,24 @@ def resolve_model(name: str) -> str:
 
 
 def _jsonable(x):
+    """x with dataclasses as dicts and anything else JSON cannot hold as text."""
     return json.loads(json.dumps(x, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
 
 
-def gold_calls(mod, task):
-    """The calls a correct solution makes, where the benchmark can say (a `gold_calls(task)` of its module),
-    else None: rehearsal diagnostics then judge errors only."""
-    return mod.gold_calls(task) if hasattr(mod, "gold_calls") else None
+def reference_calls(mod, task) -> list[dict] | None:
+    """The calls a correct solution makes ({"name", "arguments"}), where the benchmark can say (its optional
+    `reference_calls`), else None: rehearsal diagnostics then judge errors only."""
+    calls = optional(mod, "reference_calls")
+    return None if calls is None else [{"name": c.name, "arguments": dict(c.arguments)} for c in calls(task)]
 
 
 def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
-    import rehearse
-    from rollout import SamplingConfig, describe_row, make_env_fn, model_user_fn
-    from tqdm import tqdm
-
+    """Every (task, trial) at rehearsal budget `budget` on the real environment (rehearse.act_many), scored by
+    the benchmark; writes one JSONL line per trajectory to out_path and returns the records."""
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
                                     commit=getattr(args, "rehearsal_commit", "checked"))
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
     user_eng = getattr(args, "user_engine", None) or eng
-    from bench import settings
     limits = settings.settings_for(mod.NAME)
     make_env = make_env_fn(mod, model_user_fn(user_eng, SamplingConfig(
         temperature=args.temperature, top_p=args.top_p, greedy=args.greedy, seed=args.seed,
@@ -325,7 +330,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
                    "stats": {k: v for k, v in ep.stats.items()}}
             if budget > 0:   # verifier side, after the episode: proposals run on a rebuilt copy of the env
                 turns = rehearse.rehearsal_diagnostics(task, traj, ep.rehearsals, mod.make_env, eng.fmt,
-                                                       gold_calls(mod, task))
+                                                       reference_calls(mod, task))
                 rec["rehearsal_diagnostics"] = {"counts": rehearse.diagnostic_counts(turns), "turns": turns}
             rec = _jsonable(rec)
             fh.write(json.dumps(rec) + "\n")
@@ -348,7 +353,6 @@ def budget_bytes(args) -> int | None:
 def resolve_limits(args):
     """Fill the limit flags left unset, and --split, from the benchmark's run settings (bench/settings.py: the
     same resolution train.py uses)."""
-    from bench import settings
     for key, value in settings.limits_for(args.bench, **{k: getattr(args, k) for k in settings.LIMIT_FIELDS}).items():
         setattr(args, key, value)
     args.split = args.split or settings.settings_for(args.bench).eval_split
@@ -356,6 +360,7 @@ def resolve_limits(args):
 
 
 def main(argv=None) -> int:
+    """Load the model and the split, run every budget, write summary.json and print the table."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.greedy and args.temperature <= 0:
@@ -365,14 +370,6 @@ def main(argv=None) -> int:
     resolve_limits(args)
     if args.memory_budget is not None and not args.memory_budget > 0:
         parser.error(f"--memory-budget must be a positive number of GB, got {args.memory_budget}")
-
-    import torch
-
-    import policy
-    from bench import BenchUnavailable, load_bench
-    from chat_format import TemplateError
-    from cli import load_engine
-    from rollout import SamplingConfig
 
     try:
         mod = load_bench(args.bench)
@@ -384,7 +381,7 @@ def main(argv=None) -> int:
         limit = args.limit
         if limit is None and args.bench == "toyworld":
             limit = DEFAULT_TOYWORLD_LIMIT   # its test split has 1000 tasks; this keeps the default run short
-        tasks = mod.load_tasks(args.split, limit=limit, **dict(args.opt))
+        tasks = mod.load_tasks(args.split, limit=limit, **args.task_opts)
         tasks = tasks[:limit] if limit is not None else tasks     # a loader's limit may be per group (BFCL)
     except (BenchUnavailable, ValueError, TypeError, FileNotFoundError) as exc:
         parser.error(f"cannot load {args.bench} split {args.split!r}: {exc}")
@@ -409,10 +406,13 @@ def main(argv=None) -> int:
 
     args.world_engine = None     # the world model's module (None: the policy writes WORLD segments)
     world = args.world_model
-    if world == "auto":
-        world = str(Path(model_name) / "world_model") if (Path(model_name) / "world_model" / "config.json").exists() \
-            else "policy"
-    if world != "policy":
+    saved_world = Path(model_name) / "world_model"
+    if world == "separate" and not (saved_world / "config.json").exists():
+        parser.error(f"--world-model separate: {model_name} has no world_model/ folder (written by train.py "
+                     "--world-model separate); use shared or a folder")
+    if world in ("auto", "separate"):
+        world = str(saved_world) if (saved_world / "config.json").exists() else "shared"
+    if world != "shared":
         try:
             wm, wtok = policy.load_policy(world, dtype=dtype, device=device)
         except policy.PolicyLoadError as exc:

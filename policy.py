@@ -39,6 +39,8 @@ CHAT_TEMPLATE = TOOLS_TEMPLATE_PATH.read_bytes().decode("utf-8")
 
 @dataclass
 class TinyConfig:
+    """The recipe of the embedded tiny model: seed, BPE vocabulary size, Qwen3 architecture sizes and the number
+    of toy-world tasks in the tokenizer's training text."""
     seed: int = 0
     vocab_size: int = 4096          # BPE target; the model's embedding is rounded up to a multiple of 64
     hidden_size: int = 256
@@ -156,6 +158,7 @@ def build_tiny(path: Path, cfg: TinyConfig | None = None) -> Path:
 
 
 def ensure_tiny(path: Path = TINY_DIR, cfg: TinyConfig | None = None) -> Path:
+    """The tiny model's folder, rebuilt (build_tiny) only when its recorded recipe differs from `cfg`'s."""
     cfg = cfg or TinyConfig()
     recipe = Path(path) / "tiny_recipe.json"
     want = {"version": TINY_FORMAT_VERSION, **asdict(cfg)}
@@ -360,6 +363,7 @@ def load_tokenizer(path: str | Path, chat_template: str | Path | None = None):
 
 
 def default_attn_implementation(device: torch.device) -> str:
+    """flash_attention_2 on CUDA when flash_attn is installed, else sdpa."""
     if device.type == "cuda":
         try:
             import flash_attn  # noqa: F401

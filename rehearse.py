@@ -74,6 +74,8 @@ COMMITS = ("checked", "memory")   # what a rehearsed turn commits: the proposal 
 
 @dataclass
 class RehearsalConfig:
+    """Test-time rehearsal settings: the budget of private rehearsals per committed turn, parallel or sequential,
+    assessment and memory lengths, the fidelity probe, and what a rehearsed turn commits."""
     budget: int = 0                 # private rehearsals before each committed turn; 0 = plain acting
     mode: str = "parallel"          # "parallel" or "sequential"
     max_assess_tokens: int = 48
@@ -133,6 +135,8 @@ def memory_text(records: list[dict], memory_chars: int = 240) -> str:
 # arguments". The committed turn is always the reference, so the memory teaches: commit what was judged ok.
 
 def assessment_for(call_is_reference: bool, response: str) -> str:
+    """The fixed rule the warm-start examples teach: ASSESS_OK for the reference call, else ASSESS_ERROR when its
+    response is an error, else ASSESS_WRONG."""
     if call_is_reference:
         return ASSESS_OK
     return ASSESS_ERROR if is_error_text(response) else ASSESS_WRONG
@@ -546,6 +550,8 @@ def diagnostic_summary(counts: list[dict]) -> dict:
 
 @dataclass
 class Episode:
+    """One committed episode: its single-row rollout, the private rehearsal records per committed turn, the
+    fidelity probes per real call, its stats and every private row's final token ids."""
     rollout: object                  # rollout.Rollout with the single committed row
     rehearsals: list = field(default_factory=list)   # per committed turn: list of private records
     fidelity: list = field(default_factory=list)     # per real call: {"call", "predicted", "real", **fidelity()}
@@ -554,11 +560,12 @@ class Episode:
 
     @property
     def trajectory(self):
+        """The committed row's trajectory."""
         return self.rollout.trajectories[0]
 
 
 class Rehearser:
-    """The hooks of one committed row (rollout.Row.hooks): private rehearsals before each committed turn and
+    """The hooks of one committed row (rollout.RowHooks, set as Row.hooks): private rehearsals before each committed turn and
     a discarded world-model probe before each real call. Each is a Spawn of child rows in the engine's decode
     loop: branches fork the committed context's cache, run their own plans, and leave the batch when done."""
 
@@ -571,6 +578,8 @@ class Rehearser:
     # -- private rehearsal before a committed turn ------------------------------------------------------------
 
     def before_turn(self, row: Row, item: Generate) -> Spawn | None:
+        """RowHooks.before_turn: at budget B > 0, B private branches (parallel) or one at a time (sequential),
+        each proposing a call, rehearsing its response and assessing it; then the committed turn."""
         self.episode.stats["committed_turns"] += 1
         if self.rcfg.budget == 0:
             return None
@@ -712,6 +721,8 @@ class Rehearser:
     # -- the world-model probe before a real call --------------------------------------------------------------
 
     def before_response(self, row: Row, item: Response) -> Spawn | None:
+        """RowHooks.before_response: with fidelity on, a discarded probe writes the world model's prediction of
+        the call's response before the real one is applied."""
         if not self.rcfg.fidelity:
             return None
 
@@ -729,6 +740,7 @@ class Rehearser:
         return Spawn(make, lambda parent: self._children(parent))
 
     def after_response(self, row: Row, index: int, text: str):
+        """RowHooks.after_response: the probe's prediction against the real response (episode.fidelity)."""
         if index in self.predicted:
             call = row.traj.calls[index]
             predicted = self.predicted.pop(index)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from bench import Score, Task, Trajectory, load_bench
+from bench import Score, Task, Trajectory, load_bench, optional
+from rehearse import fidelity, replay_call
 
 
 def toyworld_reward(task: Task, traj: Trajectory) -> Score:
@@ -63,7 +64,8 @@ REWARD_KINDS = ("success", "checklist")
 
 
 def has_checklist(bench: str) -> bool:
-    return hasattr(load_bench(bench), "checklist")
+    """Whether the benchmark offers a rule-based checklist (bench.OPTIONAL: --reward checklist needs one)."""
+    return optional(load_bench(bench), "checklist") is not None
 
 
 def _require_checklist(bench: str):
@@ -109,7 +111,6 @@ def rehearsal_fidelity(bench: str, task: Task, traj: Trajectory) -> list[tuple[s
     Verifier logic, run after the rollout: the trajectory's calls are replayed in order on a fresh real
     environment (so each real response sees the state the earlier calls left) and each rehearsed response
     is compared with the real response of the same call. Nothing here reaches the policy."""
-    from rehearse import fidelity, replay_call
     env = load_bench(bench).make_env(task)
     pairs = []
     for i, call in enumerate(traj.calls):

@@ -311,6 +311,7 @@ def _type_ok(v, schema: dict) -> bool:
 
 
 class FinMCPEnv:
+    """Offline replay of one FinMCP-Bench task: a call is answered with the task's recorded response for it."""
     def __init__(self, task: Task, user_fn=None):
         self.task = task
         self.recorded = task.metadata["recorded"]
@@ -320,6 +321,8 @@ class FinMCPEnv:
         self.user_fn = user_fn
 
     def step(self, name: str, arguments: dict) -> str:
+        """The recorded response of the first unused logged call with the same name and arguments (else a used one,
+        else an unused one of the same name); an unknown tool, a mistyped argument or no match is an error text."""
         if name not in self.schemas:
             return f"Error: unknown tool {name!r}; available tools: {', '.join(self.schemas)}"
         if not isinstance(arguments, dict):
@@ -341,12 +344,14 @@ class FinMCPEnv:
         return resp if resp is not None else "Error: the benchmark logged no response for this call"
 
     def user_turn(self, assistant_text: str) -> str | None:
+        """The task's next logged user message, else the user simulator's reply (user_fn), else None (the end)."""
         if self.later_users:
             return self.later_users.pop(0)
         return self.user_fn(assistant_text, self.task) if self.user_fn else None
 
 
 def make_env(task: Task, user_fn=None) -> FinMCPEnv:
+    """A fresh replay environment for the task (user_fn: a simulator for user turns past the logged ones)."""
     return FinMCPEnv(task, user_fn=user_fn)
 
 
@@ -357,6 +362,7 @@ def _div(a, b):
 
 
 def tool_metrics(pred: list[str], gold: list[str]) -> dict:
+    """Precision, recall, F1 and exact match of predicted vs gold tool names, compared as multisets."""
     p, g = Counter(pred), Counter(gold)
     tp, fp, fn = sum((p & g).values()), sum((p - g).values()), sum((g - p).values())
     precision, recall = _div(tp, tp + fp), _div(tp, tp + fn)
@@ -365,6 +371,7 @@ def tool_metrics(pred: list[str], gold: list[str]) -> dict:
 
 
 def score(task: Task, traj: Trajectory) -> Score:
+    """Reward: tool-name F1 of the trajectory's calls vs the reference calls; components add arg_exact_recall."""
     gold = task.ground_truth["calls"]
     m = tool_metrics([c.name for c in traj.calls], [c["name"] for c in gold])
     pred_keys = Counter((c.name, _norm(c.arguments if isinstance(c.arguments, dict) else {})) for c in traj.calls)

@@ -69,4 +69,5 @@ def limits_for(bench: str, **overrides) -> dict:
 
 
 def describe(bench: str) -> dict:
+    """A benchmark's RunSettings as a plain dict (for logs and result JSONs)."""
     return dataclasses.asdict(settings_for(bench))

@@ -131,9 +131,11 @@ class ToyEnv:
         self.stock = dict(stock)
 
     def state(self) -> dict:
+        """A copy of the mutable state (balances and stock), e.g. to compare with a task's final_state."""
         return {"balances": dict(self.balances), "stock": dict(self.stock)}
 
     def step(self, name, arguments) -> str:
+        """Execute one call and return its JSON response; any failure, even an internal one, is an error response."""
         try:
             return self._step(name, arguments)
         except Exception as e:  # the rules above should cover everything; this is a last guard
@@ -189,10 +191,12 @@ class ToyEnv:
         return json.dumps({"cost": cost, "balance": self.balances[acct], "stock": self.stock[item]})
 
     def user_turn(self, assistant_text: str):
+        """No simulated user: None, so an answer without calls ends the episode."""
         return None
 
 
 def make_env(task: Task) -> ToyEnv:
+    """A fresh environment on a private copy of the task's world."""
     w = task.metadata["world"]
     return ToyEnv(w["balances"], w["prices"], w["stock"])
 
@@ -504,10 +508,10 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
 
 # ----------------------------------------------------------------------------- gold data and helpers
 
-def gold_calls(task: Task) -> list[dict]:
-    """The calls a correct solution makes ({"name", "arguments"}): what rehearsal diagnostics judge a proposed
-    call against (rehearse.rehearsal_diagnostics, through evaluate.gold_calls)."""
-    return [{"name": g["name"], "arguments": dict(g["arguments"])} for g in task.ground_truth["calls"]]
+def reference_calls(task: Task) -> list[ToolCall]:
+    """The calls a correct solution makes, in order: what rehearsal diagnostics judge a proposed call against
+    (rehearse.rehearsal_diagnostics, through evaluate.reference_calls)."""
+    return [ToolCall(g["name"], dict(g["arguments"])) for g in task.ground_truth["calls"]]
 
 
 def reference_messages(task: Task) -> list[dict]:

@@ -178,4 +178,5 @@ def document(fmt, seed: int, step: int, row: int, cfg: DataConfig, held: HeldOut
 
 
 def describe(cfg: DataConfig) -> dict:
+    """The DataConfig as a plain JSON-ready dict (recorded with exported weights)."""
     return json.loads(json.dumps(cfg.__dict__))

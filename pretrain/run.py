@@ -7,7 +7,7 @@
 
 Starts from the deterministic tiny model (policy.build_tiny: its tokenizer and random init). Every
 --save-every steps it writes a checkpoint (weights, AdamW state, step) to OUT/ckpt, replacing the last one,
-runs the keyed-lookup probe on held-out toy-world tables (bench/warm_start_world.lookup_probe) and appends
+runs the keyed-lookup probe on held-out toy-world tables (experiments/warm_start_world.lookup_probe) and appends
 one JSON line per step to OUT/metrics.jsonl (loss per document kind; the probe's exact and argument-blind
 share when it ran). A piece that is stopped (Ctrl-C, --until, a session's end) resumes from the last
 checkpoint with the same documents (pretrain.data.document is a pure function of seed, step and row) and the
@@ -103,7 +103,7 @@ def save_checkpoint(out: Path, step: int, model, tok, optimizer, cfg: PretrainCo
 def probe(folder: Path, n_tasks: int) -> dict:
     """Keyed lookups on held-out toy-world tables: exact and argument-blind share per lookup tool."""
     from bench import toyworld
-    from bench.warm_start_world import lookup_probe
+    from experiments.warm_start_world import lookup_probe
     result = lookup_probe(str(folder), toyworld.load_tasks("test", limit=n_tasks))
     return {tool: {k: v[k] for k in ("exact", "chance", "argument_blind")} for tool, v in result.items()}
 
@@ -130,6 +130,8 @@ def export(out: Path, dest: Path):
 
 
 def main(argv=None) -> int:
+    """Export the latest checkpoint (--export), or run or resume pretraining up to --until, checkpointing and
+    probing every save_every steps and logging a metrics line per step; the exit code."""
     ap = argparse.ArgumentParser(prog="python -m pretrain.run", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/pretrain", help="run folder (checkpoint, metrics.jsonl)")
     ap.add_argument("--steps", type=int, default=PretrainConfig.steps, help="length of the lr schedule")

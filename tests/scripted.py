@@ -1,15 +1,11 @@
-"""Test helpers: a steering hook that scripts the tiny model's turns, and a small deterministic environment.
-
-The script forces structure (tool-call tags, JSON punctuation, closing tags) and leaves "free" slots where the
-real model's own logits choose among alphanumeric tokens, so caching bugs still change what is generated.
-"""
+"""Test helpers: tiny tasks, a small deterministic environment and train.main in-process. The steering hook
+that scripts a model's turns (Script) lives in perf/steering.py and is re-exported here for the tests."""
 from __future__ import annotations
 
 import json
 
-import torch
-
 from bench import Task
+from perf.steering import Script, alternating_rewards, call_text  # noqa: F401  (the tests' steering)
 
 TOOLS = [
     {"type": "function", "function": {"name": "lookup", "description": "look a key up",
@@ -20,11 +16,6 @@ TOOLS = [
 ]
 
 
-def call_text(name, args_prefix):
-    """Forced head of a call in the template's own format; the argument value is left open."""
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {args_prefix}'
-
-
 def tasks(n=2):
     out = []
     for i in range(n):
@@ -32,59 +23,6 @@ def tasks(n=2):
             {"role": "system", "content": "You look things up." + " Be exact." * i},
             {"role": "user", "content": f"Find key number {i}" + " please" * (2 * i)}]))
     return out
-
-
-class Script:
-    """Per-row segment scripts. A segment is a list of items: str = forced text, int = free tokens,
-    list = forced token ids."""
-
-    def __init__(self, tok, act: dict, world: dict | None = None, eos_after=True):
-        self.tok = tok
-        self.act, self.world = act, world or {}
-        self.segment_no: dict[tuple[int, str], int] = {}
-        self.allowed = torch.tensor([i for i in range(len(tok)) if tok.decode([i]).isalnum()])
-        self.eos_after = eos_after
-
-    def _items(self, row, role_name):
-        scripts = (self.act if role_name == "ACT" else self.world).get(row, [])
-        k = self.segment_no.get((row, role_name), 0) - 1
-        return scripts[k] if 0 <= k < len(scripts) else None
-
-    def plan(self, items):
-        """Expand a segment script to a list: token id (forced) or None (free)."""
-        out = []
-        for it in items:
-            if isinstance(it, str):
-                out += self.tok(it, add_special_tokens=False)["input_ids"]
-            elif isinstance(it, list):
-                out += it
-            else:
-                out += [None] * it
-        return out
-
-    def __call__(self, rows, segments, logits):
-        for j, (row, (role, ids)) in enumerate(zip(rows, segments)):
-            key = (row, role.name)
-            if not ids:
-                self.segment_no[key] = self.segment_no.get(key, 0) + 1
-            items = self._items(row, role.name)
-            if items is None:
-                continue
-            plan = self.plan(items)
-            n = len(ids)
-            if n < len(plan):
-                want = plan[n]
-            elif self.eos_after and role.name == "ACT":
-                want = self.tok.eos_token_id
-            else:
-                continue
-            keep = logits[j].clone()
-            logits[j] = float("-inf")
-            if want is None:
-                logits[j, self.allowed] = keep[self.allowed]
-            else:
-                logits[j, want] = 0.0
-        return logits
 
 
 class EchoEnv:
@@ -117,13 +55,3 @@ def run_train(args):
     return types.SimpleNamespace(returncode=code, stderr=err.getvalue())
 
 
-def alternating_rewards():
-    """A stand-in for reward.trajectory_reward giving 1, 0, 1, 0, ... in call order, so GRPO groups (rows of one
-    task are consecutive) are not flat and the loss is computed even for a model that solves nothing."""
-    from bench import Score
-    counter = [0]
-
-    def fake(bench, task, traj, defects, penalty, kind="success"):
-        counter[0] += 1
-        return Score(reward=float(counter[0] % 2))
-    return fake

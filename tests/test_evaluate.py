@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--limit", "0"], "--limit"),
     (["--bench", "nosuch"], "--bench"),
     (["--compare", "1,x"], "--compare"),
-    (["--opt", "novalue"], "KEY=VALUE"),
+    (["--task-opts", "novalue"], "key=value"),
 ])
 def test_bad_cli_values_exit_2_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

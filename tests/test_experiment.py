@@ -1,4 +1,4 @@
-"""bench/experiment.py without training anything: the report from hand-made piece JSONs (numbers, the computed
+"""experiments/experiment.py without training anything: the report from hand-made piece JSONs (numbers, the computed
 ordering sentence, plots), and the piece runner with train.py / evaluate.py replaced by fakes (a written piece
 is skipped, a missing one is trained from the warm start or resumed, and its JSON has the promised layout)."""
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import experiment
+from experiments import experiment
 
 STEPS = 30
 
@@ -258,7 +258,7 @@ def test_per_role_checkpoints_are_evaluated_with_their_world_model(tmp_path):
 
 def test_balance_chance_is_the_share_of_starting_balances_equal_to_the_real_one():
     from bench import toyworld
-    from bench.warm_start_world import balance_chance
+    from experiments.warm_start_world import balance_chance
     task = toyworld.load_tasks("train", limit=2, seed=0)[1]
     balances = task.metadata["world"]["balances"]   # bob 2, ned 4, oli 17
     name = next(iter(balances))
@@ -277,7 +277,7 @@ def test_lookup_probe_scores_a_model_that_reads_the_argument_and_one_that_ignore
 
     import policy
     from bench import toyworld
-    from bench import warm_start_world as wsw
+    from experiments import warm_start_world as wsw
     model, tok = policy.load_policy(str(micro_path))
     tasks = toyworld.load_tasks("test", limit=4)
 

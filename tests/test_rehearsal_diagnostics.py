@@ -7,6 +7,7 @@ import types
 import pytest
 
 import evaluate
+from evaluate import reference_calls
 import rehearse
 from bench import ToolCall, Trajectory, toyworld
 from chat_format import ASSESS_ERROR, ASSESS_OK, ASSESS_WRONG, parse_turn
@@ -20,7 +21,7 @@ HERMES = types.SimpleNamespace(parse=parse_turn)   # what rehearsal_diagnostics 
 def half_task():
     """fay 2, dee 6; gold: get_balance(fay), transfer(fay, dee, 1)."""
     task = toyworld.load_tasks("train", limit=1, seed=0, families="half")[0]
-    assert toyworld.gold_calls(task) == [{"name": "get_balance", "arguments": {"account": "fay"}},
+    assert reference_calls(toyworld, task) == [{"name": "get_balance", "arguments": {"account": "fay"}},
                                          {"name": "transfer", "arguments": {"src": "fay", "dst": "dee", "amount": 1}}]
     return task
 
@@ -112,7 +113,7 @@ def test_agreement_and_effect_rules():
 
 def test_hand_made_episode_counts_agree_changed_helped_hurt():
     task, traj, rehearsals = hand_made()
-    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, toyworld.gold_calls(task))
+    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, reference_calls(toyworld, task))
     assert [[p["outcome"] for p in t["proposals"]] for t in turns] == [
         ["error", "right"], ["right", "wrong", "error"], ["right"], ["error"]]
     assert [[p["agree"] for p in t["proposals"]] for t in turns] == [
@@ -147,7 +148,7 @@ def test_without_gold_only_errors_are_judged_and_an_unrebuildable_state_is_unmea
     assert turns[3]["effect"] == "unmeasured"          # an answer is not judged without gold calls
     # the episode saw another response than a replay gives: the state after that call cannot be rebuilt
     traj.observations[0] = '{"balance": 99}'
-    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, toyworld.gold_calls(task))
+    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, reference_calls(toyworld, task))
     assert [p["outcome"] for p in turns[0]["proposals"]] == ["error", "right"]          # turn 0: a fresh env
     assert [p["outcome"] for p in turns[1]["proposals"]] == ["unmeasured", "unmeasured", "error"]
     assert [t["effect"] for t in turns] == ["helped", "unmeasured", None, "unmeasured"]
@@ -157,7 +158,7 @@ def test_without_gold_only_errors_are_judged_and_an_unrebuildable_state_is_unmea
     task, traj, rehearsals = hand_made()
     traj.messages.insert(len(task.messages) + 2, {"role": "user", "content": "done on my phone",
                                                   "user_tool_calls": [{"name": "toggle", "arguments": {}}]})
-    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, toyworld.gold_calls(task))
+    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, reference_calls(toyworld, task))
     assert turns[0]["proposals"][1]["outcome"] == "right" and turns[1]["proposals"][0]["outcome"] == "unmeasured"
 
 
@@ -170,7 +171,7 @@ def test_diagnostics_leave_the_episode_environment_alone():
         return made[-1]
     episode_env = toyworld.make_env(task)
     before = episode_env.state()
-    rehearsal_diagnostics(task, traj, rehearsals, make_env, HERMES, toyworld.gold_calls(task))
+    rehearsal_diagnostics(task, traj, rehearsals, make_env, HERMES, reference_calls(toyworld, task))
     assert episode_env.state() == before and len(made) >= 9     # a fresh environment for every executed turn
 
 
@@ -179,7 +180,7 @@ def test_cut_off_turns_are_errors():
     rehearsals[0][0]["terminated"] = False
     rehearsals[0][0]["items"] = []
     traj.end_reason = "max_new_tokens"
-    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, toyworld.gold_calls(task))
+    turns = rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES, reference_calls(toyworld, task))
     assert turns[0]["proposals"][0]["outcome"] == "error" and turns[0]["proposals"][0]["agree"] is None
     assert turns[3]["committed"]["outcome"] == "error"       # the last committed turn was cut off
     assert turns[3]["effect"] == "neutral"
@@ -195,7 +196,7 @@ def eng(micro64):
 
 def balance_task():
     task = toyworld.load_tasks("train", limit=1, seed=0, families="balance")[0]
-    assert toyworld.gold_calls(task) == [{"name": "get_balance", "arguments": {"account": "hal"}}]
+    assert reference_calls(toyworld, task) == [{"name": "get_balance", "arguments": {"account": "hal"}}]
     return task
 
 
@@ -213,7 +214,7 @@ def run_scripted(eng, tok, mode, private, committed, n_world, commit="memory"):
              RehearsalConfig(budget=len(private) // 2 if mode == "sequential" else 1, mode=mode, commit=commit),
              steer=script)
     turns = rehearsal_diagnostics(task, ep.trajectory, ep.rehearsals, toyworld.make_env, eng.fmt,
-                                  toyworld.gold_calls(task))
+                                  reference_calls(toyworld, task))
     return ep, env, turns
 
 
@@ -259,7 +260,7 @@ def test_scripted_sequential_second_proposal_agrees_and_the_commit_equals_it(eng
 def test_summary_and_table_show_the_diagnostics():
     task, traj, rehearsals = hand_made()
     counts = diagnostic_counts(rehearsal_diagnostics(task, traj, rehearsals, toyworld.make_env, HERMES,
-                                                     toyworld.gold_calls(task)))
+                                                     reference_calls(toyworld, task)))
     rec = {"task_id": task.id, "reward": 1.0, "group": None, "components": {}, "fidelity": [],
            "stats": {"committed_turns": 4, "committed_calls": 3}, "rehearsal_diagnostics": {"counts": counts}}
     with_diag = evaluate.summarize("toyworld", [rec, rec], 1)

@@ -280,7 +280,7 @@ def test_self_memory_holds_the_models_own_predictions_judged_by_the_rule(eng, mi
     _, tok = micro64
     task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
     messages = toyworld.reference_messages(task)
-    ref_args = toyworld.gold_calls(task)[0]["arguments"]
+    ref_args = toyworld.reference_calls(task)[0].arguments
     forced = ['{"error": "unknown account: zzz"}', '{"balance": 777}', '{"balance": 5}', '{"error": "nope"}']
     steer = Script(tok, {}, {k: [[text + "\n</tool_response>"]] for k, text in enumerate(forced)})
     real = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,))

@@ -1,4 +1,4 @@
-"""Smoke test of bench/speed.py: the smallest configuration runs and its JSON has every field.
+"""Smoke test of perf/speed.py: the smallest configuration runs and its JSON has every field.
 
 Never asserts a time. It does assert what is deterministic: the four rollout methods (the engine, HF generate
 re-encoding every turn, HF generate per row reusing its cache, the engine without a cache) sample the same token
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from bench import speed
+from perf import speed
 
 
 @pytest.fixture(scope="module")

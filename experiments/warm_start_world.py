@@ -1,9 +1,9 @@
 """World-model fidelity per tool after a supervised warm start, with and without toy-world world examples.
 
-    python bench/warm_start_world.py --sft-steps 300                       # the three arms below, seed 0
-    python bench/warm_start_world.py --sft-steps 300 --arms plain,world
-    python bench/warm_start_world.py --curve runs/ws-skip-price     # every checkpoint of one warm start
-    python bench/warm_start_world.py --lookup runs/ws/ckpt/step_001000   # only: does it read the call's argument?
+    python -m experiments.warm_start_world --sft-steps 300                       # the three arms below, seed 0
+    python -m experiments.warm_start_world --sft-steps 300 --arms plain,world
+    python -m experiments.warm_start_world --curve runs/ws-skip-price     # every checkpoint of one warm start
+    python -m experiments.warm_start_world --lookup runs/ws/ckpt/step_001000   # only: does it read the call's argument?
 
 Each arm is one `train.py --steps 0` warm start (same seed, so the same task draws), then `evaluate.py`
 on held-out test tasks with the fidelity probe on (every real call is also rehearsed in a discarded fork and
@@ -29,19 +29,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 ARMS = {"plain": [], "world": ["--sft-world-frac", "{frac}"],
         "world-skip-price": ["--sft-world-frac", "{frac}", "--sft-world-skip", "get_price"]}
 
 
 def run(cmd: list[str]) -> float:
+    """Run a command in the repository root (raises on failure); its wall seconds."""
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
     return time.perf_counter() - t0
 
 
 def per_tool(trajectories: Path) -> dict:
+    """Fidelity per tool of the probes recorded in an evaluate.py trajectories JSONL."""
     import reward
     pairs = [(f["call"]["name"], f) for line in trajectories.read_text().splitlines()
              for f in json.loads(line)["fidelity"]]
@@ -179,6 +180,8 @@ def curve(run_dir: Path, probe_tasks, args):
 
 
 def main(argv=None):
+    """Run the chosen mode: --lookup, --curve, or per arm train and evaluate (with --probe-only: only add the
+    fixed-call probes to the arm's results); writes the JSONs."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--world-frac", type=float, default=0.25)

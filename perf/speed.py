@@ -1,16 +1,16 @@
 """Speed and memory of the pieces that make agentic RL fast: one run, reported as ratios.
 
-    python bench/speed.py                 # CPU default (~13 minutes on 2 cores), writes runs/speed/speed.json
-    python bench/speed.py --workloads toyworld   # without the tau2 workload (~3 minutes)
-    python bench/speed.py --targets       # only the targets' cells (8 tasks x G=4, 8 turns; ~30 min on 2 cores)
-    python bench/speed.py --quick         # CPU, under a minute
-    python bench/speed.py --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
-    python bench/speed.py --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
-    bash bench/speed_gpu.sh               # the same, the way it is meant to run on one H200-class GPU
+    python -m perf.speed                 # CPU default (~13 minutes on 2 cores), writes runs/speed/speed.json
+    python -m perf.speed --workloads toyworld   # without the tau2 workload (~3 minutes)
+    python -m perf.speed --targets       # only the targets' cells (8 tasks x G=4, 8 turns; ~30 min on 2 cores)
+    python -m perf.speed --quick         # CPU, under a minute
+    python -m perf.speed --smoke --arch qwen3-test   # seconds: the test suite's run of the --gpu code path
+    python -m perf.speed --gpu           # bf16, real-size random-weight Qwen3 config, SDPA vs flash-attn
+    bash perf/speed_gpu.sh               # the same, the way it is meant to run on one H200-class GPU
 
 1. rollout   Multi-turn rollout throughput at 1/4/8/16 turns and several group sizes (one task), plus the
              row counts training uses (8 tasks x G=4 = 32 rows, 8 turns), four ways, on the same model and the
-             same sampled token ids (greedy + a scripted steering hook, tests/scripted.Script):
+             same sampled token ids (greedy + a scripted steering hook, perf/steering.Script):
                cached   rollout.Engine: the KV cache is kept across turns, only new tokens are ever fed
                hf       HF `model.generate` once per turn on the re-encoded full context, then the turn's
                         tokens and the observation are appended (what TRL's transformers path does)
@@ -38,7 +38,7 @@
              (best of 5 sums and copies of a 512 MiB tensor; 4 GiB on GPU). bound w = that bound's share of the
              measured decode time (1.0 = at the limit); w+kv also counts the KV cache each step reads.
              Targets (TARGETS) are printed as this run's ratios, met / not met.
-2. logprob   Peak memory of train.token_logprobs (chunked, role-masked, checkpointed LM head) vs a naive full
+2. logprob   Peak memory of grpo.token_logprobs (chunked, role-masked, checkpointed LM head) vs a naive full
              log_softmax over [T, V], forward + backward, vocab 32k and 152k, sequence 4k-16k, a 2-layer model
              with small hidden. Each measurement runs in a fresh subprocess: on CPU the peak is
              ru_maxrss(after) - ru_maxrss(before the measured step); on GPU torch.cuda.max_memory_allocated
@@ -68,18 +68,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-# `python bench/speed.py` puts bench/ itself first on sys.path, where bench/tau2.py would shadow the tau2 package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import policy
+import reward
+from grpo import LossConfig, group_advantages, grpo_loss, token_logprobs
+from bench import toyworld
+from perf.steering import Script, call_text
+from rollout import Engine, Role, SamplingConfig, role_mask
 
-import policy  # noqa: E402
-import reward  # noqa: E402
-import train  # noqa: E402
-from bench import toyworld  # noqa: E402
-from rollout import Engine, Role, SamplingConfig, role_mask  # noqa: E402
-from tests.scripted import Script, call_text  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------------------------------------
 # Run sizes
@@ -148,23 +144,27 @@ TARGET_ROLLOUT = {"toyworld": dict(cells=[dict(tasks=8, group=4, turns=8)]),
 
 @dataclasses.dataclass
 class Setup:
+    """The device, dtype and attention implementation a measurement runs with."""
     device: torch.device
     dtype: torch.dtype
     attn: str
 
 
 def sync(device):
+    """Wait for queued CUDA work (a no-op on CPU), so wall-clock timings are complete."""
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def reset_peak(device):
+    """Reset CUDA's peak-memory counter (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
 
 def peak_mib(device):
+    """Peak CUDA memory allocated since the last reset, MiB; None on CPU."""
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
 
 
@@ -173,6 +173,7 @@ def peak_mib(device):
 
 
 def build_tiny_model(tmp: Path, cfg: policy.TinyConfig, setup: Setup):
+    """Build the tiny model of `cfg` under `tmp` and load it with the setup's dtype, device and attention."""
     path = policy.build_tiny(tmp / "tiny", cfg)
     model, tok = policy.load_policy(str(path), dtype=setup.dtype, device=setup.device,
                                     attn_implementation=setup.attn)
@@ -199,6 +200,7 @@ def build_arch_model(arch: str, tok, setup: Setup, vocab_size: int = QWEN3_VOCAB
 
 
 def n_params(model, embeddings=True):
+    """Parameter count, without the input embedding when `embeddings` is False."""
     total = sum(p.numel() for p in model.parameters())
     if not embeddings:
         total -= model.get_input_embeddings().weight.numel()
@@ -220,6 +222,7 @@ class Meter:
         self.reset()
 
     def reset(self):
+        """Zero the counts (forward calls, positions, FLOPs) and the recorded decode steps."""
         self.calls = self.positions = 0
         self.flops = 0.0
         self.decode_steps = []   # (seconds, rows, key length, FLOPs) of each forward feeding one token per row
@@ -282,13 +285,16 @@ class DecodeCompiled(torch.nn.Module):
         self.compiled = torch.compile(model.forward, dynamic=True, **kw)
 
     def forward(self, input_ids=None, **kwargs):
+        """Compiled forward for decode steps (one token per row), the eager model for anything longer."""
         fn = self.compiled if input_ids is not None and input_ids.shape[1] == 1 else self.inner
         return fn(input_ids=input_ids, **kwargs)
 
     def get_input_embeddings(self):
+        """The wrapped model's input embedding."""
         return self.inner.get_input_embeddings()
 
     def get_output_embeddings(self):
+        """The wrapped model's LM head."""
         return self.inner.get_output_embeddings()
 
 
@@ -303,7 +309,7 @@ def compile_counters() -> dict:
 
 
 class FastScript(Script):
-    """tests/scripted.Script with its segment plans tokenized once, not at every step (the steering hook's
+    """perf/steering.Script with its segment plans tokenized once, not at every step (the steering hook's
     own cost is then negligible for every method, so the timings are about the engines)."""
 
     _allowed_cache: dict = {}
@@ -318,6 +324,7 @@ class FastScript(Script):
         self._plans = {}
 
     def plan(self, items):
+        """Script.plan, memoised per segment script."""
         key = tuple(items)
         if key not in self._plans:
             self._plans[key] = super().plan(items)
@@ -327,7 +334,7 @@ class FastScript(Script):
 @dataclasses.dataclass
 class Workload:
     """What the scripted rollouts run on: tasks, their real environment, and the script of each assistant turn
-    (items as in tests/scripted.Script: str forced text, int model-chosen alphanumeric tokens)."""
+    (items as in perf/steering.Script: str forced text, int model-chosen alphanumeric tokens)."""
     name: str
     about: str
     tasks: list            # with no assistant-turn limit of their own: the sampling config sets the turns
@@ -341,10 +348,12 @@ class Workload:
         return FastScript(tok, {r: plan for r in range(n_rows)})
 
     def longest_turn(self, tok) -> int:
+        """Tokens of the longest scripted assistant turn."""
         return max(len(FastScript(tok, {}).plan(items)) for items in self.calls + [self.answer])
 
 
 def toyworld_workload(n_tasks: int) -> Workload:
+    """Toy-world test tasks whose every tool turn calls get_balance with a model-chosen account, then an answer."""
     tasks = [dataclasses.replace(t, max_assistant_turns=None) for t in toyworld.load_tasks("test", limit=n_tasks)]
     return Workload("toyworld", "toy world: ~100-token prompt, get_balance with a model-chosen account, "
                     "~20-token observations", tasks, toyworld.make_env,
@@ -391,6 +400,7 @@ class ScriptProcessor:
 
 
 def act_spans(rollout, b):
+    """Row b's ACT spans (its assistant turns) in a rollout."""
     return [s for s in rollout.spans[b] if s.role == Role.ACT]
 
 
@@ -488,6 +498,7 @@ def hf_row_cache(model, tok, engine, workload, group, ref, cfg, script_rows):
 
 
 def run_engine(model, tok, workload, group, turns, cfg, use_cache):
+    """One scripted rollout of the workload by the engine, every call executed for real, `turns` assistant turns."""
     engine = Engine(model, tok)
     n_rows = len(workload.tasks) * group
     return engine.run(workload.tasks, group, cfg=dataclasses.replace(cfg, max_turns=turns),
@@ -506,9 +517,11 @@ class Bound:
     flops_per_s: float | None = None   # measured matmul throughput, for the roofline (bytes or FLOPs, the larger)
 
     def seconds(self, rows=0, keys=0, kv=False):
+        """Time to read the weights once (with kv, also the KV cache of `rows` x `keys` positions) at the bandwidth."""
         return (self.weight_bytes + (self.kv_per_token * rows * keys if kv else 0)) / self.bandwidth
 
     def roofline(self, rows, keys, flops):
+        """The larger of the bytes bound (weights and KV cache) and `flops` at the measured matmul throughput."""
         return max(self.seconds(rows, keys, kv=True), flops / self.flops_per_s if self.flops_per_s else 0.0)
 
 
@@ -523,6 +536,7 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_token(model) -> int:
+    """Bytes of K and V of one cached position over all layers, in the model's dtype."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     elt = next(model.parameters()).element_size()
@@ -582,6 +596,8 @@ def decode_summary(steps, bound: Bound | None, flops_counted=True) -> dict:
 
 
 def measure(model, fn, bound: Bound | None = None, linears=True):
+    """Run fn() under a Meter: its result and wall and CPU seconds, forward calls, positions, TFLOPs (None
+    without linears), peak memory and the decode-step summary."""
     device = next(model.parameters()).device
     reset_peak(device)
     with Meter(model, linears) as meter:
@@ -678,6 +694,8 @@ def targets(cells, log):
 
 
 def bench_workload(model, tok, workload, specs, bound, log, compiled: DecodeCompiled | None = None):
+    """Measure each cell of a workload: the cached engine, the HF baselines (checked token for token against it),
+    the engine without a cache where asked and, given `compiled`, the compiled decode; the cells' results."""
     cfg = SamplingConfig(greedy=True, max_new_tokens=max(48, workload.longest_turn(tok) + 8),
                          max_total_len=model.config.max_position_embeddings, seed=0)
     engine = Engine(model, tok)
@@ -838,7 +856,7 @@ def logprob_worker(spec: dict) -> dict:
     peak_before = _peak_rss()
     t0 = time.perf_counter()
     if spec["method"] == "chunked":
-        logp = train.token_logprobs(model, ids, loss_mask, attention_mask, chunk_size=spec["chunk_size"])
+        logp = token_logprobs(model, ids, loss_mask, attention_mask, chunk_size=spec["chunk_size"])
     else:
         logp = naive_logprobs(model, ids, loss_mask, attention_mask)
     loss = -(logp * loss_mask).sum() / loss_mask.sum()
@@ -887,10 +905,12 @@ def _peak_rss():
 
 def naive_bytes(vocab, seq, dtype_bytes):
     # logits in the model dtype, its fp32 copy, the log_softmax output and, in backward, two [T, V] fp32 grads
+    """Estimated peak bytes of naive_logprobs: logits, their fp32 copy, log_softmax and two fp32 grads of [T, V]."""
     return seq * vocab * (dtype_bytes + 4 * 4)
 
 
 def available_bytes(device):
+    """Free memory: CUDA's free bytes on a GPU, MemAvailable from /proc/meminfo on CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info()
         return free
@@ -900,6 +920,8 @@ def available_bytes(device):
 
 
 def bench_logprob(preset, setup: Setup, args, log):
+    """Peak memory and time of chunked vs naive log-probs per (vocab, seq) and chunk size, each in a fresh
+    subprocess, with their log-prob and gradient differences; naive is skipped where it would not fit."""
     cells = []
     tmp = Path(tempfile.mkdtemp(prefix="speed-lp-"))
     budget = 0.8 * available_bytes(setup.device)
@@ -944,6 +966,7 @@ LOGPROB_HEADER = (f"{'vocab':>7} {'seq':>6} {'chunk':>5} | {'chunked MiB':>11} {
 
 
 def logprob_row(c):
+    """One log-prob cell as a table line (or the reason it has no numbers)."""
     ch, nv = c["chunked"], c.get("naive", {})
     if "peak_mib" not in ch:
         return f"{c['vocab']:>7} {c['seq']:>6} {c['chunk_size']:>5} | chunked failed: {ch.get('error', '')[-200:]}"
@@ -970,11 +993,13 @@ def grpo_script(tok, n_rows):
 
 
 def bench_grpo(model, tok, preset, setup: Setup, log):
+    """Time the phases of GRPO steps on toy-world tasks (scripted rehearsal rollout, reward, log-probs,
+    backward, optimizer); every step and the medians of the steps after warm-up."""
     device = setup.device
     tasks = toyworld.load_tasks("train", limit=preset["grpo_tasks"] * (preset["grpo_steps"] + preset["grpo_warmup"]))
     engine = Engine(model, tok)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=48, max_world_tokens=32, max_turns=2, seed=0)
-    loss_cfg = train.LossConfig()
+    loss_cfg = LossConfig()
     train_roles = (Role.ACT, Role.WORLD)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     G = preset["grpo_group"]
@@ -996,13 +1021,13 @@ def bench_grpo(model, tok, preset, setup: Setup, log):
         scores = [reward.trajectory_reward("toyworld", batch[ti], traj, defects, defect_penalty=0.1)
                   for ti, traj, defects in zip(ro.task_index, ro.trajectories, ro.rehearsal_defects)]
         rewards = torch.tensor([s.reward for s in scores])
-        adv, flat = train.group_advantages(rewards, torch.tensor(ro.task_index))
+        adv, flat = group_advantages(rewards, torch.tensor(ro.task_index))
         t0 = phase("reward", t0)
         model.train()
         ids, roles = ro.ids.clone().to(device), ro.roles.clone().to(device)   # out of inference mode
         attention_mask = (roles != Role.PAD).long()
-        logp = train.token_logprobs(model, ids, role_mask(roles, train_roles), attention_mask, cfg.temperature)
-        loss, stats = train.grpo_loss(logp, ro.logprobs.clone().to(device), adv.to(device), roles, train_roles, loss_cfg)
+        logp = token_logprobs(model, ids, role_mask(roles, train_roles), attention_mask, cfg.temperature)
+        loss, stats = grpo_loss(logp, ro.logprobs.clone().to(device), adv.to(device), roles, train_roles, loss_cfg)
         t0 = phase("logprob", t0)
         loss.backward()
         t0 = phase("backward", t0)
@@ -1027,6 +1052,7 @@ def bench_grpo(model, tok, preset, setup: Setup, log):
 
 
 def grpo_table(r):
+    """The GRPO step's median seconds and share per phase, as a table."""
     m = r["median"]
     head = f"{'phase':>10} | {'seconds':>8} | {'share':>6}"
     lines = [head, "-" * len(head)]
@@ -1074,6 +1100,7 @@ def summarize(result):
 
 
 def main(argv=None):
+    """Parse the flags, run the chosen parts per attention implementation, print the tables and write the JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small run (under a minute on CPU)")
     p.add_argument("--gpu", action="store_true", help="cuda, bf16, a real-size random-weight Qwen3 config")
@@ -1099,7 +1126,7 @@ def main(argv=None):
                    help="comma list of token_logprobs chunk sizes measured in the log-prob part")
     p.add_argument("--logprob-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    # train.grpo_loss reads float() of a grad-carrying tensor for its stats; harmless, and noisy here
+    # grpo.grpo_loss reads float() of a grad-carrying tensor for its stats; harmless, and noisy here
     warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
 
     if args.threads:

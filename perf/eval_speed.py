@@ -1,7 +1,7 @@
 """Evaluation throughput: tasks batched across one engine batch vs one task at a time, same results.
 
-    python bench/eval_speed.py                      # 32 toy-world tasks, B=0 and B=2, the tiny model
-    python bench/eval_speed.py --model runs/tiny-toyworld/ckpt/step_001630 --budgets 0,2,4
+    python -m perf.eval_speed                      # 32 toy-world tasks, B=0 and B=2, the tiny model
+    python -m perf.eval_speed --model runs/tiny-toyworld/ckpt/step_001630 --budgets 0,2,4
 
 Prints tasks/s of each way, their ratio (target: >= 3x at B=0 and B=2) and whether every episode's tokens
 are identical. Ratios are measured in one run; absolute speeds depend on the machine. The ratio of the
@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the project root, not bench/
+import torch
 
-import torch  # noqa: E402
-
-import policy  # noqa: E402
-from bench import toyworld  # noqa: E402
-from rehearse import EpisodeSpec, RehearsalConfig, act, act_many  # noqa: E402
-from rollout import Engine, SamplingConfig  # noqa: E402
+import policy
+from bench import toyworld
+from rehearse import EpisodeSpec, RehearsalConfig, act, act_many
+from rollout import Engine, SamplingConfig
 
 TARGET = 3.0
 
 
 def run(eng, n_tasks: int, budget: int, max_rows: int, seed: int) -> dict:
+    """Run the same toy-world episodes one task at a time and batched (act_many) at one budget: times, ratios,
+    whether every episode's ids are identical, and the success rate."""
     tasks = toyworld.load_tasks("test", limit=n_tasks)
     specs = [EpisodeSpec(t, SamplingConfig(temperature=0.6, top_p=0.95, max_new_tokens=48, max_world_tokens=32,
                                            max_turns=8, max_total_len=2048, seed=seed + i), make_env=toyworld.make_env)
@@ -51,6 +50,7 @@ def run(eng, n_tasks: int, budget: int, max_rows: int, seed: int) -> dict:
 
 
 def main(argv=None):
+    """Load the model, run every budget, print the table and optionally write the rows as JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--tasks", type=int, default=32)

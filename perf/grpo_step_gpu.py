@@ -1,8 +1,8 @@
 """One EnvACE GRPO step through train.py at the paper's settings, on a real-size Qwen3 architecture with random
-weights (nothing is downloaded), for step time and tokens/s on a GPU (bench/speed_gpu.sh, GRPO=1).
+weights (nothing is downloaded), for step time and tokens/s on a GPU (perf/speed_gpu.sh, GRPO=1).
 
-    python -m bench.grpo_step_gpu --arch qwen3-4b --build runs/grpo_step_gpu/qwen3-4b     # write the model once
-    torchrun --standalone --nproc_per_node 8 -m bench.grpo_step_gpu --model runs/grpo_step_gpu/qwen3-4b \
+    python -m perf.grpo_step_gpu --arch qwen3-4b --build runs/grpo_step_gpu/qwen3-4b     # write the model once
+    torchrun --standalone --nproc_per_node 8 -m perf.grpo_step_gpu --model runs/grpo_step_gpu/qwen3-4b \
         -- --bench tau2 --task-opts domain=airline --tasks-per-step 16 --group-size 4
 
 Random weights call no tool and solve nothing, so (as in the tests) each row's first turn is steered into a
@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
+
+import policy
+import reward
+import rollout
+import train
+from perf.speed import Setup, build_arch_model
+from perf.steering import alternating_rewards, first_call_script, placeholder_call
 
 PAPER = ["--sft-steps", "0", "--steps", "1", "--group-size", "4", "--lr", "1e-6", "--clip-low", "0.2",
          "--clip-high", "0.2", "--dual-clip", "3", "--kl-coef", "1e-4", "--temperature", "1.0", "--save-every", "1000"]
@@ -26,9 +35,6 @@ PAPER = ["--sft-steps", "0", "--steps", "1", "--group-size", "4", "--lr", "1e-6"
 
 def build(arch: str, folder: Path, vocab_size: int):
     """A random-weight Qwen3 of a real architecture with the tiny model's tokenizer and tool template."""
-    import policy
-    from bench.speed import Setup, build_arch_model
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(policy.ensure_tiny())
     model = build_arch_model(arch, tok, Setup(torch.device("cpu"), torch.bfloat16, "sdpa"), vocab_size=vocab_size)
     model.save_pretrained(folder)
@@ -37,23 +43,17 @@ def build(arch: str, folder: Path, vocab_size: int):
 
 
 def steered_step(model: str, train_args: list[str], out: Path) -> int:
-    import rollout
-    import train
-    from tests.scripted import Script, alternating_rewards, call_text   # the tests' steering, reused on purpose
-    import reward
+    """One GRPO step of train.py on `model`, every row's first turn steered into a well-formed call (a random-weight
+    model calls nothing by itself) and rewards alternating so no group is flat; writes OUT/grpo_step.json."""
     real_run = rollout.Engine.run
 
     def run(self, tasks, group_size=1, cfg=None, *args, **kwargs):
-        fn = tasks[0].tools[0]["function"]
-        params = fn.get("parameters", {})
-        args_json = json.dumps({k: "x" for k in params.get("required", [])})
-        acts = {i: [[call_text(fn["name"], args_json) + "}\n</tool_call>"], ["Done ", 4]]
-                for i in range(len(tasks) * group_size)}
-        return real_run(self, tasks, group_size, cfg, *args, steer=Script(self.tok, acts), **kwargs)
+        name, arguments = placeholder_call(tasks[0])
+        steer = first_call_script(self.tok, len(tasks) * group_size, name, arguments, free_tokens=4)
+        return real_run(self, tasks, group_size, cfg, *args, steer=steer, **kwargs)
     rollout.Engine.run = run
     reward.trajectory_reward = alternating_rewards()
     code = train.main(["--model", model, "--out", str(out), "--overwrite", *PAPER, *train_args])
-    import os
     if int(os.environ.get("RANK", "0")) == 0 and (out / "metrics.jsonl").exists():
         rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
         keep = {k: rec.get(k) for k in ("rows", "act_tokens", "world_tokens", "trained_tokens", "t_rollout",
@@ -67,11 +67,13 @@ def steered_step(model: str, train_args: list[str], out: Path) -> int:
 
 
 def main(argv=None) -> int:
+    """--build FOLDER writes the random-weight model; --model FOLDER runs one steered train.py step on it, with
+    the arguments after `--`; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m bench.grpo_step_gpu", description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen3-4b", help="a bench/speed.py architecture")
+    ap = argparse.ArgumentParser(prog="python -m perf.grpo_step_gpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen3-4b", help="a perf/speed.py architecture")
     ap.add_argument("--vocab", type=int, default=151936, help="embedding rows (Qwen3's 151936)")
     ap.add_argument("--build", default="", metavar="FOLDER", help="only write the random-weight model here")
     ap.add_argument("--model", default="", metavar="FOLDER", help="the folder --build wrote")

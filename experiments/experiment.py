@@ -3,9 +3,9 @@
     # 1. one shared warm start, trained once (get_price responses get no world loss: the mechanism test)
     python train.py --sft-steps 4000 --steps 0 --sft-world-frac 0.5 --sft-world-skip get_price --out runs/ws-skip-price
     # 2. every arm x seed from it, then the report; rerun the same command to continue after a stop
-    python bench/experiment.py --warm-start runs/ws-skip-price/ckpt/step_004000
-    python bench/experiment.py --warm-start runs/ws-skip-price/ckpt/step_004000 --arms envace --seeds 0
-    python bench/experiment.py --only-report         # tables and plots from the JSONs already written
+    python -m experiments.experiment --warm-start runs/ws-skip-price/ckpt/step_004000
+    python -m experiments.experiment --warm-start runs/ws-skip-price/ckpt/step_004000 --arms envace --seeds 0
+    python -m experiments.experiment --only-report         # tables and plots from the JSONs already written
 
 The paper (EnvACE on tau², official code Within-yao/EnvACE, examples/drmas_trainer/) reports standard GRPO
 31.2 < per-role policies 35.5 < EnvACE 36.7. The arms here, all from ONE warm-start checkpoint with the same
@@ -55,14 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# `python bench/experiment.py` puts bench/ itself first on sys.path, where bench/tau2.py would shadow tau2
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 @dataclass
 class Arm:
+    """One arm of the ablation: its train.py flags on top of the shared ones and the official script it mirrors."""
     flags: list[str]      # train.py flags on top of the shared ones
     mirrors: str          # the official script this arm stands for ("" = none)
 
@@ -110,12 +107,14 @@ def run_command(cmd: list[str], log: Path) -> dict:
 
 
 def run_logged(cmd: list[str], log: Path, ledger: Path):
+    """run_command, then its record appended to the piece's ledger (JSON lines)."""
     record = run_command(cmd, log)
     with open(ledger, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; [] when it does not exist."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -307,16 +306,19 @@ def mean_std(values) -> tuple[float | None, float | None]:
 
 
 def fmt(mean: float | None, std: float | None = None) -> str:
+    """'mean ± std' to three decimals, the mean alone without a std, '-' without a mean."""
     if mean is None:
         return "-"
     return f"{mean:.3f}" if std is None else f"{mean:.3f} ± {std:.3f}"
 
 
 def success(piece: dict, label: str) -> float | None:
+    """A piece's held-out overall success at a budget label, None where it was not evaluated."""
     return piece.get("held_out", {}).get(label, {}).get("overall", {}).get("success")
 
 
 def success_table(groups: dict) -> list[str]:
+    """Markdown rows: per arm, held-out success (mean ± std over seeds) at each budget and wall minutes per piece."""
     lines = ["| arm | seeds | " + " | ".join(BUDGET_LABELS) + " | wall min / piece |",
              "|---" * (len(BUDGET_LABELS) + 3) + "|"]
     for arm, pieces in groups.items():
@@ -328,6 +330,7 @@ def success_table(groups: dict) -> list[str]:
 
 
 def held_out_fidelity_table(groups: dict) -> list[str]:
+    """Markdown rows: per arm, held-out exact world-model fidelity of each tool (mean ± std over seeds)."""
     lines = ["| arm | " + " | ".join(TOOLS) + " |", "|---" * (len(TOOLS) + 1) + "|"]
     for arm, pieces in groups.items():
         cells = [fmt(*mean_std(p.get("fidelity_by_tool", {}).get(tool, {}).get("exact") for p in pieces))
@@ -376,6 +379,7 @@ def training_fidelity(pieces: list[dict], tool: str) -> tuple[float | None, floa
 
 
 def training_fidelity_table(groups: dict) -> list[str]:
+    """Markdown rows: per trained arm, each tool's training-time exact fidelity, first window -> last window."""
     lines = ["| arm | " + " | ".join(TOOLS) + " |", "|---" * (len(TOOLS) + 1) + "|"]
     for arm, pieces in groups.items():
         if arm == "warm-start":
@@ -450,6 +454,7 @@ def seed_band(pieces: list[dict], key: str) -> tuple[list[int], list[float], lis
 
 
 def plot_band(ax, groups: dict, key: str):
+    """Plot each arm's moving-averaged training curve of `key` on ax: mean over seeds, min-max band."""
     for arm, pieces in groups.items():
         steps, mean, low, high = seed_band(pieces, key)
         if not steps:
@@ -502,6 +507,7 @@ def write_plots(groups: dict, out: Path) -> list[Path] | None:
 
 
 def report_header(groups: dict) -> list[str]:
+    """The report's title and setup lines: the warm start(s) and notes, GRPO settings, held-out tasks, host."""
     pieces = [p for ps in groups.values() for p in ps]
     warm = sorted({p.get("warm_start", "") for p in pieces})
     trained = [p for p in pieces if p["arm"] != "warm-start"]
@@ -539,6 +545,8 @@ DIAGNOSTICS_NOTE = ("Rehearsed turns are turns where the agent rehearsed before 
 
 
 def write_report(results: Path, plots: bool = True) -> Path:
+    """Write table.md in `results` (tables, sentences and, unless plots=False, the plots) from the piece JSONs
+    there; its path."""
     groups = load_pieces(results)
     lines = report_header(groups)
     lines += ["## Held-out success", "", SUCCESS_NOTE, "", *success_table(groups), "", ordering_sentence(groups), "",
@@ -560,6 +568,7 @@ def write_report(results: Path, plots: bool = True) -> Path:
 
 
 def parse_args(argv=None):
+    """The command line, checked: arms known, seeds and budgets as ints, a warm start that is a model folder."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--warm-start", default="", help="the shared warm-start checkpoint (required to run pieces)")
@@ -600,6 +609,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """Run the missing pieces (unless --only-report), write and print the report; 1 if a piece failed, else 0."""
     args = parse_args(argv)
     failures = [] if args.only_report else run_pieces(args)
     args.results.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Do memory examples built from the model's own rehearsals change what test-time rehearsal does?
 
-    python bench/memory_examples.py --warm-start runs/ws-skip-price/ckpt/step_001500 --steps 200
+    python -m experiments.memory_examples --warm-start runs/ws-skip-price/ckpt/step_001500 --steps 200
 
 The warm start's memory examples (rehearse.warm_start_examples) hold, by default, the REAL response of each
 proposal and a rule-made judgement, while at test time the memory holds the model's own predictions. Two
@@ -26,6 +26,7 @@ DIAGNOSTICS = ("assess_agree_rate", "changed_rate", "helped_rate", "hurt_rate", 
 
 
 def run(cmd: list[str], log: Path) -> float:
+    """`python cmd...` in the repository root, output to `log` (raises on failure); its wall seconds."""
     t0 = time.perf_counter()
     with open(log, "w") as f:
         subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True, stdout=f, stderr=subprocess.STDOUT)
@@ -33,6 +34,8 @@ def run(cmd: list[str], log: Path) -> float:
 
 
 def main(argv=None):
+    """Per --sft-memory (real, self): continue the warm start, evaluate at B=0 and B=--budget, write the arm's
+    JSON; an arm whose JSON exists is skipped."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm-start", required=True)
     ap.add_argument("--steps", type=int, default=200, help="continued warm-start steps per arm")
