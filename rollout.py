@@ -21,26 +21,28 @@ observations, user turns) is tokenized, as deltas cut at special-token boundarie
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
+import inspect
 import json
 import time
 from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
-from bench import Task, Trajectory
 import chat_format
+import policy
+from bench import BENCHES, BenchUnavailable, Task, Trajectory, load_bench
 from chat_format import CallError, ChatFormat, ToolCall, derive_chat_format, validate_rehearsal
+from cli import OneLineParser, add_template_args, int_at_least
 
 
 def new_kv_cache():
     """A transformers Cache whose layers write into preallocated buffers (see PreallocatedKVLayer)."""
-    from transformers.cache_utils import Cache
-    return Cache(layer_class_to_replicate=_preallocated_layer_class())
+    return Cache(layer_class_to_replicate=PreallocatedKVLayer)
 
 
 def kv_buffer(like: torch.Tensor, shape) -> torch.Tensor:
@@ -48,177 +50,179 @@ def kv_buffer(like: torch.Tensor, shape) -> torch.Tensor:
     return like.new_empty(shape)
 
 
-@functools.cache   # the class is defined on first use: transformers is imported lazily
-def _preallocated_layer_class():
-    from transformers.cache_utils import DynamicLayer
+class PreallocatedKVLayer(DynamicLayer):
+    """A KV layer that writes new keys/values into a buffer with spare room instead of concatenating.
 
-    class PreallocatedKVLayer(DynamicLayer):
-        """A KV layer that writes new keys/values into a buffer with spare room instead of concatenating.
+    DynamicLayer's torch.cat copies the whole cache at every decode step (O(L) per token, ~30-40% of a
+    tiny model's step on CPU). Here the buffer has spare columns and spare rows, both grown geometrically,
+    so appending tokens or rows is amortised O(new data); `keys`/`values` are views of the filled part
+    (`rows` x `length`). Besides transformers' own operations (batch selection, forking, cropping) it
+    writes a few rows only (`update_rows`, `put`, `copy_row`) and compacts (`compact`), for KVBatch.
+    Buffers are not zeroed when allocated (fresh memory costs a page fault per 4 KiB touched, so room
+    never used is never touched): every column below `length` of every row below `rows` is written
+    before it is read, holes with zeros, as masked columns must hold finite numbers (a masked NaN still
+    poisons attention: 0 * NaN)."""
 
-        DynamicLayer's torch.cat copies the whole cache at every decode step (O(L) per token, ~30-40% of a
-        tiny model's step on CPU). Here the buffer has spare columns and spare rows, both grown geometrically,
-        so appending tokens or rows is amortised O(new data); `keys`/`values` are views of the filled part
-        (`rows` x `length`). Besides transformers' own operations (batch selection, forking, cropping) it
-        writes a few rows only (`update_rows`, `put`, `copy_row`) and compacts (`compact`), for KVBatch.
-        Buffers are not zeroed when allocated (fresh memory costs a page fault per 4 KiB touched, so room
-        never used is never touched): every column below `length` of every row below `rows` is written
-        before it is read, holes with zeros, as masked columns must hold finite numbers (a masked NaN still
-        poisons attention: 0 * NaN)."""
+    def lazy_initialization(self, key_states, value_states):
+        """Set up on the first write: unlike DynamicLayer's, no tensor yet (reserve allocates the buffers) and
+        `length`/`rows` at 0, with `keys`/`values` empty views."""
+        self.device = key_states.device
+        self.length = self.rows = 0
+        self._k = self._v = None
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
 
-        def lazy_initialization(self, key_states, value_states):
-            self.device = key_states.device
-            self.length = self.rows = 0
-            self._k = self._v = None
-            self.keys = key_states[..., :0, :]
-            self.values = value_states[..., :0, :]
-            self.is_initialized = True
+    def _views(self):
+        self.keys = self._k[:self.rows, :, :self.length]
+        self.values = self._v[:self.rows, :, :self.length]
 
-        def _views(self):
-            self.keys = self._k[:self.rows, :, :self.length]
-            self.values = self._v[:self.rows, :, :self.length]
+    def reserve(self, rows, length, like_k, like_v):
+        """Room for `rows` rows and `length` columns; what is written stays, new room is unset."""
+        if not self.is_initialized:
+            self.lazy_initialization(like_k, like_v)
+        have_b, have_l = (0, 0) if self._k is None else (self._k.shape[0], self._k.shape[-2])
+        if rows <= have_b and length <= have_l:
+            return
+        # a quarter of spare rows, not more: fresh memory costs a page fault per 4 KiB
+        cap_b = rows + rows // 4
+        cap_l = have_l if length <= have_l else max(length, 64, 2 * have_l)
+        k = kv_buffer(like_k, (cap_b, *like_k.shape[1:-2], cap_l, like_k.shape[-1]))
+        v = kv_buffer(like_v, (cap_b, *like_v.shape[1:-2], cap_l, like_v.shape[-1]))
+        if self._k is not None and self.rows and self.length:
+            k[:self.rows, :, :self.length] = self._k[:self.rows, :, :self.length]
+            v[:self.rows, :, :self.length] = self._v[:self.rows, :, :self.length]
+        self._k, self._v = k, v
 
-        def reserve(self, rows, length, like_k, like_v):
-            """Room for `rows` rows and `length` columns; what is written stays, new room is unset."""
-            if not self.is_initialized:
-                self.lazy_initialization(like_k, like_v)
-            have_b, have_l = (0, 0) if self._k is None else (self._k.shape[0], self._k.shape[-2])
-            if rows <= have_b and length <= have_l:
-                return
-            # a quarter of spare rows, not more: fresh memory costs a page fault per 4 KiB
-            cap_b = rows + rows // 4
-            cap_l = have_l if length <= have_l else max(length, 64, 2 * have_l)
-            k = kv_buffer(like_k, (cap_b, *like_k.shape[1:-2], cap_l, like_k.shape[-1]))
-            v = kv_buffer(like_v, (cap_b, *like_v.shape[1:-2], cap_l, like_v.shape[-1]))
-            if self._k is not None and self.rows and self.length:
-                k[:self.rows, :, :self.length] = self._k[:self.rows, :, :self.length]
-                v[:self.rows, :, :self.length] = self._v[:self.rows, :, :self.length]
-            self._k, self._v = k, v
+    def update(self, key_states, value_states, *args, **kwargs):
+        """DynamicLayer.update without torch.cat: write every row's new columns into the buffer (grown only when
+        full) and return views of the filled part."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, n = key_states.shape[0], key_states.shape[-2]
+        self.reserve(b, self.length + n, key_states, value_states)
+        self.rows = b
+        self._k[:b, :, self.length:self.length + n] = key_states
+        self._v[:b, :, self.length:self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
 
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            b, n = key_states.shape[0], key_states.shape[-2]
-            self.reserve(b, self.length + n, key_states, value_states)
-            self.rows = b
-            self._k[:b, :, self.length:self.length + n] = key_states
-            self._v[:b, :, self.length:self.length + n] = value_states
-            self.length += n
-            self._views()
-            return self.keys, self.values
+    def update_rows(self, slots, key_states, value_states):
+        """A forward over rows `slots` only: their new columns are written (the other rows get masked
+        columns, zero) and their whole cache is returned (a copy of those rows)."""
+        n = key_states.shape[-2]
+        self.reserve(self.rows, self.length + n, key_states, value_states)
+        self._k[:self.rows, :, self.length:self.length + n] = 0
+        self._v[:self.rows, :, self.length:self.length + n] = 0
+        self._k[slots, :, self.length:self.length + n] = key_states
+        self._v[slots, :, self.length:self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self._k[slots, :, :self.length], self._v[slots, :, :self.length]
 
-        def update_rows(self, slots, key_states, value_states):
-            """A forward over rows `slots` only: their new columns are written (the other rows get masked
-            columns, zero) and their whole cache is returned (a copy of those rows)."""
-            n = key_states.shape[-2]
-            self.reserve(self.rows, self.length + n, key_states, value_states)
-            self._k[:self.rows, :, self.length:self.length + n] = 0
-            self._v[:self.rows, :, self.length:self.length + n] = 0
-            self._k[slots, :, self.length:self.length + n] = key_states
-            self._v[slots, :, self.length:self.length + n] = value_states
-            self.length += n
-            self._views()
-            return self._k[slots, :, :self.length], self._v[slots, :, :self.length]
+    def put(self, rows, slots, start, keys, values):
+        """Write other caches' rows (e.g. a prefill's) into rows `slots`, ending at our last column (which
+        moves right if they are longer: the other rows get zero holes); ours then has `rows` rows."""
+        end = start + keys.shape[-2]
+        self.reserve(rows, end, keys, values)
+        assert end >= self.length, "put rows end at the cache's last column"
+        for buf, new in ((self._k, keys), (self._v, values)):
+            buf[:rows, :, self.length:end] = 0
+            buf[slots, :, :start] = 0
+            buf[slots, :, start:end] = new
+        self.rows, self.length = rows, end
+        self._views()
 
-        def put(self, rows, slots, start, keys, values):
-            """Write other caches' rows (e.g. a prefill's) into rows `slots`, ending at our last column (which
-            moves right if they are longer: the other rows get zero holes); ours then has `rows` rows."""
-            end = start + keys.shape[-2]
-            self.reserve(rows, end, keys, values)
-            assert end >= self.length, "put rows end at the cache's last column"
-            for buf, new in ((self._k, keys), (self._v, values)):
-                buf[:rows, :, self.length:end] = 0
-                buf[slots, :, :start] = 0
-                buf[slots, :, start:end] = new
-            self.rows, self.length = rows, end
-            self._views()
-
-        def resize_rows(self, rows):
-            """Use `rows` rows (new ones are set by the caller: copy_row or put)."""
-            if self._k is not None:
-                self.reserve(rows, self.length, self._k, self._v)
-                self.rows = rows
-                self._views()
-
-        def copy_row(self, src, dst):
-            self._k[dst, :, :self.length] = self._k[src, :, :self.length]
-            self._v[dst, :, :self.length] = self._v[src, :, :self.length]
-
-        def compact(self, slots, cols):
-            """Keep rows `slots` (in that order) and, in each, the columns cols[i] (a [rows, width] index),
-            in the same buffers (their room is kept for the columns to come)."""
-            k = self._k[slots[:, None], :, cols].transpose(1, 2)    # [rows, heads, width, dim], a copy
-            v = self._v[slots[:, None], :, cols].transpose(1, 2)
-            self._k[:k.shape[0], :, :k.shape[-2]] = k
-            self._v[:k.shape[0], :, :k.shape[-2]] = v
-            self.rows, self.length = k.shape[0], k.shape[-2]
+    def resize_rows(self, rows):
+        """Use `rows` rows (new ones are set by the caller: copy_row or put)."""
+        if self._k is not None:
+            self.reserve(rows, self.length, self._k, self._v)
+            self.rows = rows
             self._views()
 
-        def get_seq_length(self):
-            return self.length if self.is_initialized else 0
+    def copy_row(self, src, dst):
+        """Copy row `src`'s cached columns into row `dst` (a child row forked within the batch)."""
+        self._k[dst, :, :self.length] = self._k[src, :, :self.length]
+        self._v[dst, :, :self.length] = self._v[src, :, :self.length]
 
-        def reset(self):
-            self._k = self._v = None
-            self.length = self.rows = 0
-            super().reset()
+    def compact(self, slots, cols):
+        """Keep rows `slots` (in that order) and, in each, the columns cols[i] (a [rows, width] index),
+        in the same buffers (their room is kept for the columns to come)."""
+        k = self._k[slots[:, None], :, cols].transpose(1, 2)    # [rows, heads, width, dim], a copy
+        v = self._v[slots[:, None], :, cols].transpose(1, 2)
+        self._k[:k.shape[0], :, :k.shape[-2]] = k
+        self._v[:k.shape[0], :, :k.shape[-2]] = v
+        self.rows, self.length = k.shape[0], k.shape[-2]
+        self._views()
 
-        def crop(self, tokens_to_remove):
-            if tokens_to_remove > 0:
-                raise ValueError("crop takes a negative number of tokens to remove")
-            if self.is_initialized and self._k is not None and tokens_to_remove:
-                self.length = max(self.length + tokens_to_remove, 0)
-                self._views()
+    def get_seq_length(self):
+        """The filled columns (`length`), not the buffer's room; 0 before the first update."""
+        return self.length if self.is_initialized else 0
 
-        def batch_repeat_interleave(self, repeats):
-            if self.get_seq_length() > 0:
-                self._k = self._k[:self.rows].repeat_interleave(repeats, dim=0)
-                self._v = self._v[:self.rows].repeat_interleave(repeats, dim=0)
-                self.rows *= repeats
-                self._views()
+    def reset(self):
+        """Drop the buffers as well as DynamicLayer's state, so the next update allocates afresh."""
+        self._k = self._v = None
+        self.length = self.rows = 0
+        super().reset()
 
-        def batch_select_indices(self, indices):
-            if self.get_seq_length() > 0:
-                self._k, self._v = self._k[indices, ...], self._v[indices, ...]
-                self.rows = self._k.shape[0]
-                self._views()
+    def crop(self, tokens_to_remove):
+        """DynamicLayer.crop (a negative count only) by moving `length` back: no copy, the buffer keeps its room."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if self.is_initialized and self._k is not None and tokens_to_remove:
+            self.length = max(self.length + tokens_to_remove, 0)
+            self._views()
 
-        def __deepcopy__(self, memo):
-            twin = copy.copy(self)
-            if self._k is not None:
-                twin._k, twin._v = self._k.clone(), self._v.clone()
-                twin._views()
-            return twin
+    def batch_repeat_interleave(self, repeats):
+        """DynamicLayer's, on the buffers: each filled row repeated `repeats` times (new buffers keep the spare
+        columns, not spare rows)."""
+        if self.get_seq_length() > 0:
+            self._k = self._k[:self.rows].repeat_interleave(repeats, dim=0)
+            self._v = self._v[:self.rows].repeat_interleave(repeats, dim=0)
+            self.rows *= repeats
+            self._views()
 
-    return PreallocatedKVLayer
+    def batch_select_indices(self, indices):
+        """DynamicLayer's, on the buffers: keep rows `indices` (a copy keeping the spare columns, not spare rows)."""
+        if self.get_seq_length() > 0:
+            self._k, self._v = self._k[indices, ...], self._v[indices, ...]
+            self.rows = self._k.shape[0]
+            self._views()
+
+    def __deepcopy__(self, memo):
+        twin = copy.copy(self)
+        if self._k is not None:
+            twin._k, twin._v = self._k.clone(), self._v.clone()
+            twin._views()
+        return twin
 
 
-@functools.cache
-def _row_subset_layer_class():
-    from transformers.cache_utils import DynamicLayer
+class RowSubsetLayer(DynamicLayer):
+    """A forward over some rows of a PreallocatedKVLayer (KVBatch feeds long feeds apart)."""
 
-    class RowSubsetLayer(DynamicLayer):
-        """A forward over some rows of a PreallocatedKVLayer (KVBatch feeds long feeds apart)."""
+    def __init__(self, layer, slots):
+        super().__init__()
+        self.layer, self.slots, self.is_initialized = layer, slots, True
 
-        def __init__(self, layer, slots):
-            super().__init__()
-            self.layer, self.slots, self.is_initialized = layer, slots, True
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write the new columns of rows `slots` only (update_rows) and return those rows' whole cache."""
+        return self.layer.update_rows(self.slots, key_states, value_states)
 
-        def update(self, key_states, value_states, *args, **kwargs):
-            return self.layer.update_rows(self.slots, key_states, value_states)
-
-        def get_seq_length(self):
-            return self.layer.get_seq_length()
-
-    return RowSubsetLayer
+    def get_seq_length(self):
+        """The underlying layer's filled length (all rows share it)."""
+        return self.layer.get_seq_length()
 
 
 def row_subset_cache(cache, slots):
     """A Cache for a forward over rows `slots` of `cache` (new_kv_cache's): it writes their new columns into
     `cache` (the other rows' become masked holes) and reads their whole cache."""
-    from transformers.cache_utils import Cache
-    return Cache(layers=[_row_subset_layer_class()(layer, slots) for layer in cache.layers])
+    return Cache(layers=[RowSubsetLayer(layer, slots) for layer in cache.layers])
 
 
 class Role(IntEnum):
+    """A token's role: PAD, PROMPT (prompt, scaffolding, user turns), ACT (sampled assistant tokens), WORLD (a
+    tool response the policy rehearsed) or OBS (a real tool response); stored as ints in Rollout.roles."""
     PAD = 0
     PROMPT = 1
     ACT = 2
@@ -248,6 +252,7 @@ def role_weights(roles: torch.Tensor, train_roles, weights: dict) -> torch.Tenso
 
 @dataclass
 class SamplingConfig:
+    """How rollouts sample (temperature, top-p or greedy, seed) and their length limits per turn and trajectory."""
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
@@ -256,10 +261,14 @@ class SamplingConfig:
     max_turns: int = 8               # assistant turns per trajectory
     max_total_len: int = 4096        # tokens per trajectory, prompt included
     seed: int = 0
+    # a task's own turn limit (single-turn BFCL) ends the episode after its calls; with this on, their responses
+    # are still written (rehearsed by the world role, or executed) first: EnvACE training rehearses every call
+    respond_at_turn_limit: bool = False
 
 
 @dataclass
 class Span:
+    """A run of consecutive tokens [start, end) of one role in one assistant turn of a row."""
     role: Role
     start: int
     end: int          # exclusive
@@ -268,6 +277,8 @@ class Span:
 
 @dataclass
 class Rollout:
+    """A batch of trajectories as right-padded tensors (ids, roles, sampling log-probs, lengths), with each row's
+    task, spans, trajectory, end reason and rehearsal defects, and the run's stats."""
     ids: torch.Tensor          # [B, T] long, right-padded with the pad id
     roles: torch.Tensor        # [B, T] long, Role values (PAD past each row's length)
     logprobs: torch.Tensor     # [B, T] float: log p(ids[b, t] | ids[b, :t]) at sampling time, 0 if not sampled
@@ -329,11 +340,27 @@ class Spawn:
     then: Callable | None = None
 
 
+class RowHooks(Protocol):
+    """What a committed row may be told at its turn transitions (Row.hooks; Engine.advance calls them). The one
+    implementation is test-time rehearsal (rehearse.Rehearser); training rows have no hooks. A hook that
+    returns a Spawn makes the row wait while the spawned child rows run in the same decode loop (their caches
+    fork the row's), then the row continues with the item it was about to apply."""
+
+    def before_turn(self, row: "Row", item: Generate) -> Spawn | None:
+        """Before a committed ACT turn is sampled (its context is cached): e.g. B private rehearsals."""
+
+    def before_response(self, row: "Row", item: Response) -> Spawn | None:
+        """Before the real environment answers call number item.call: e.g. a discarded world-model probe."""
+
+    def after_response(self, row: "Row", index: int, text: str) -> None:
+        """After call number `index` got its real response `text` (compare it with a probe's prediction)."""
+
+
 class Row:
     """One token sequence being generated: a trajectory, or a private branch of one (rehearse.py)."""
 
     def __init__(self, task: Task, ids: list[int], env=None, *, index: int = 0, task_idx: int = 0, stream: int = 0,
-                 seed: int = 0, bucket: str = "act", counts: dict | None = None, hooks=None):
+                 seed: int = 0, bucket: str = "act", counts: dict | None = None, hooks: RowHooks | None = None):
         self.task, self.env, self.index, self.task_idx, self.stream = task, env, index, task_idx, stream
         self.ids = list(ids)
         self.roles = [int(Role.PROMPT)] * len(ids)
@@ -357,11 +384,13 @@ class Row:
         self.rng = torch.Generator(device="cpu").manual_seed(seed)
         self.seed, self.bucket = seed, bucket
         self.counts = counts if counts is not None else {}   # tokens fed/sampled per bucket, shared by an episode
-        self.hooks = hooks                 # test-time rehearsal: before_turn(row, item), before_response(...)
+        self.hooks = hooks                 # RowHooks: test-time rehearsal's turn transitions (None in training)
         self.slot = -1                     # its row in the batch's KV cache (KVBatch), while it runs
+        self.end_after_plan = "plan_exhausted"   # the end reason when its plan runs out
 
     @property
     def feed(self) -> list[int]:
+        """The row's tokens not yet in the KV cache (what the next forward feeds)."""
         return self.ids[self.n_cached:]
 
     @property
@@ -370,6 +399,7 @@ class Row:
         return self.gen is not None and not self.waiting and not self.done and self.n_cached == len(self.ids)
 
     def append(self, ids, role, logprobs=None):
+        """Append `ids` of one role (their sampling log-probs, else 0), extending the last span if it continues it."""
         if not ids:
             return
         start = len(self.ids)
@@ -408,6 +438,7 @@ class Row:
         self.spans[-1].end = min(self.spans[-1].end, n)
 
     def finish(self, reason):
+        """End the row: nothing more is sampled; its trajectory (a private branch has none) records `reason`."""
         self.done = True
         self.gen = None
         if self.traj is not None:
@@ -630,7 +661,7 @@ class KVBatch:
             start = max(have, width) - width
             lane_pick, lane_slots = torch.tensor(pick, device=lane.device), torch.tensor(slots, device=lane.device)
             while len(lane.cache.layers) < len(cache.layers):
-                lane.cache.layers.append(_preallocated_layer_class()())
+                lane.cache.layers.append(PreallocatedKVLayer())
             for mine, theirs in zip(lane.cache.layers, cache.layers):
                 mine.put(self.slots, lane_slots, start, theirs.keys[lane_pick], theirs.values[lane_pick])
             lane.mask[lane_slots] = False
@@ -729,9 +760,11 @@ class Engine:
         self.memory_budget: int | None = None   # bytes for KV-cache rows; None: memory_budget_bytes()
 
     def prompt_ids(self, task: Task) -> list[int]:
+        """A task's prompt ids (messages and tools) as the chat template encodes them, generation prompt included."""
         return self.fmt.prompt_ids(task.messages, task.tools)
 
     def max_len(self, cfg: SamplingConfig) -> int:
+        """The most tokens a row may hold: cfg.max_total_len, capped by the model's max_position_embeddings."""
         return min(cfg.max_total_len, getattr(self.model.config, "max_position_embeddings", cfg.max_total_len))
 
     def rows_that_fit(self, cfg: SamplingConfig, budget_bytes: int | None = None) -> int:
@@ -781,9 +814,11 @@ class Engine:
         row.append_text(fmt, row.pending)
         row.pending = []
         if not row.done:
-            row.finish("plan_exhausted")
+            row.finish(row.end_after_plan)
 
     def execute_call(self, row: Row, call: ToolCall) -> str:
+        """Run a call on the row's real environment and return its response; a missing environment or an
+        exception becomes a JSON error observation instead of failing the batch."""
         if row.env is None:
             return json.dumps({"error": "no environment: a call was to be executed for real but the rollout "
                                         "was given no make_env"})
@@ -793,6 +828,7 @@ class Engine:
             return json.dumps({"error": f"environment raised {type(exc).__name__}: {exc}"})
 
     def record_response(self, row: Row, index: int, text: str, rehearsed: bool):
+        """Record call number `index`'s response in the row's trajectory: observation, rehearsed flag, tool message."""
         row.traj.observations[index] = text
         row.traj.rehearsed[index] = rehearsed
         row.traj.messages.append({"role": "tool", "name": row.traj.calls[index].name, "content": text})
@@ -827,6 +863,8 @@ class Engine:
                 traj.errors.append("empty_turn: the assistant turn had no text and no tool call")
                 return row.finish("empty_turn")
             traj.final_answer = parsed.content
+            if ending := env_ending(row):   # the benchmark's own limit (tau2's Orchestrator), before the user answers
+                return row.finish(ending)
             try:
                 reply = row.env.user_turn(parsed.content) if row.env is not None else None
             except Exception as exc:  # a broken user simulator ends this row, not the batch
@@ -841,11 +879,16 @@ class Engine:
             if getattr(row.env, "last_user_tool_calls", None):  # tau2 telecom: the user acted on their device
                 user_msg["user_tool_calls"] = list(row.env.last_user_tool_calls)
             traj.messages.append(user_msg)
+            if ending := env_ending(row):
+                return row.finish(ending)
             row.plan.extend(Text(text, Role.PROMPT, trusted) for text, trusted in fmt.user_turn_pieces(reply))
             row.plan.append(Generate(Role.ACT, cfg.max_new_tokens))
             return
+        if ending := env_ending(row):   # e.g. tau2: this message's calls make the 10th tool error
+            return row.finish(ending)
         limit = row.task.max_assistant_turns
-        if row.turn >= cfg.max_turns or (limit is not None and row.turn >= limit):
+        at_task_limit = limit is not None and row.turn >= limit
+        if row.turn >= cfg.max_turns or (at_task_limit and not cfg.respond_at_turn_limit):
             return row.finish("max_turns")
         # one response per call item: rehearsed (WORLD), executed (OBS), or an error observation (OBS)
         for kind, value in fmt.tool_turn(len(parsed.items)):
@@ -858,7 +901,10 @@ class Engine:
                 row.plan.append(Generate(Role.WORLD, cfg.max_world_tokens, call=call_index[value]))
             else:
                 row.plan.append(Response(call_index[value]))
-        row.plan.append(Generate(Role.ACT, cfg.max_new_tokens))
+        if at_task_limit:            # respond_at_turn_limit: the responses, then the end
+            row.end_after_plan = "max_turns"
+        else:
+            row.plan.append(Generate(Role.ACT, cfg.max_new_tokens))
 
     def end_world(self, row: Row, stopped: bool):
         """A rehearsed response ended: record what the policy wrote; close it if it did not."""
@@ -1054,6 +1100,8 @@ class Engine:
         return self.collect(rows, stats)
 
     def collect(self, rows: list[Row], stats: dict) -> Rollout:
+        """Pack ended rows into a Rollout (ids, roles, log-probs right-padded to the longest row); adds the ACT and
+        WORLD token counts to `stats`."""
         width = max(len(r.ids) for r in rows)
         B = len(rows)
         ids = torch.full((B, width), self.tok.pad_token_id, dtype=torch.long)
@@ -1243,9 +1291,15 @@ def current_tools(row) -> list[dict]:
     return tools if isinstance(tools, list) and tools else row.task.tools
 
 
+def env_ending(row) -> str | None:
+    """The reason a row's environment ends the episode now, from the trajectory so far (`env.ending(traj)`,
+    e.g. tau2's Orchestrator limits: "too_many_errors", "max_steps"), or None; environments without it never do."""
+    ending = getattr(row.env, "ending", None) if row.env is not None and row.traj is not None else None
+    return ending(row.traj) if callable(ending) else None
+
+
 def make_env_fn(bench, user_fn=None):
     """bench.make_env, given the simulated user where the benchmark takes one (tau2, vita)."""
-    import inspect
     takes_user = "user_fn" in inspect.signature(bench.make_env).parameters
     if takes_user and user_fn is not None:
         return lambda task: bench.make_env(task, user_fn=user_fn)
@@ -1263,19 +1317,23 @@ def encode_conversation(engine: Engine, task: Task, messages: list[dict]) -> tup
     return ids, [int(ROLE_OF_LABEL[label]) for label in labels]
 
 
+def load_engine(name: str, chat_template: str | None = None, template_kwargs: dict | None = None,
+                call_format: str | None = None, **load_kwargs) -> Engine:
+    """policy.load_policy + Engine; template_kwargs None means the checkpoint's saved ones.
+    Raises policy.PolicyLoadError or chat_format.TemplateError, each a one-line message naming the fix."""
+    model, tok = policy.load_policy(name, chat_template=chat_template, **load_kwargs)
+    return Engine(model, tok, policy.template_kwargs_for(name, template_kwargs), call_format or None)
+
+
 def main(argv=None) -> int:
     """Demo: roll out a model (default: the tiny one) on a few tasks and print one trajectory with role labels."""
-    import policy
-    import rollout   # not this file's names: run as a script, this module is __main__ and the engine's is `rollout`
-    from bench import BENCHES, BenchUnavailable, load_bench
-    from cli import OneLineParser, add_template_args, int_at_least, load_engine
-
     ap = OneLineParser(prog="rollout.py", description=main.__doc__)
     ap.add_argument("--model", default="tiny", help="'tiny', a local HF folder or a .gguf file")
     add_template_args(ap)
     ap.add_argument("--bench", default="toyworld", choices=list(BENCHES))
-    ap.add_argument("--responses", default="rehearse", choices=["rehearse", "real"],
-                    help="who writes tool responses: the policy (rehearse) or the environment (real)")
+    ap.add_argument("--env", default="rehearse", choices=["rehearse", "real"],
+                    help="who writes tool responses, as train.py's --env: the policy's world role (rehearse) or "
+                         "the environment (real)")
     ap.add_argument("--group-size", type=int_at_least(1), default=2)
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -1286,9 +1344,9 @@ def main(argv=None) -> int:
         engine = load_engine(args.model, args.chat_template, args.chat_template_kwargs, args.tool_call_format)
     except (policy.PolicyLoadError, chat_format.TemplateError, BenchUnavailable, ImportError) as exc:
         ap.error(str(exc))
-    cfg = rollout.SamplingConfig(seed=args.seed, max_new_tokens=args.max_new_tokens)
-    out = engine.run(tasks, args.group_size, cfg, make_env=rollout.make_env_fn(bench), responses=args.responses)
-    print(rollout.describe_row(out, engine.tok, 0))
+    cfg = SamplingConfig(seed=args.seed, max_new_tokens=args.max_new_tokens)
+    out = engine.run(tasks, args.group_size, cfg, make_env=make_env_fn(bench), responses=args.env)
+    print(describe_row(out, engine.tok, 0))
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.stats.items()})
     return 0
 

@@ -40,6 +40,13 @@ evaluate_simulation` (DB hash, ACTION, COMMUNICATE, ENV_ASSERTION, combined per 
 NL assertions need an LLM judge: never evaluated here (reported as such in components; no v0.2.0 task has
 them in its reward_basis). A trajectory that ended prematurely (end_reason not in `COMPLETED_END_REASONS`,
 e.g. max_turns) scores 0, as tau² does for max_steps / errors.
+
+The Orchestrator's limits (200 steps, 10 tool errors: `orchestrator_ending`) end the rollout itself:
+`Tau2Env.ending(traj)`, asked by the engine after every assistant and user message, returns "too_many_errors" or
+"max_steps" once tau² would have stopped, the row ends with that reason, and score() reads it. Every failing call
+counts: the ones tau² answers with an error when the calls are replayed in order (rehearsed calls too), and the
+calls the engine's parser refused that tau² would still have run and failed (an unknown tool, a missing required
+argument: `refused_calls`).
 """
 from __future__ import annotations
 
@@ -225,14 +232,16 @@ def _run_call(env, name, arguments, requestor: str, call_id: str):
     """One tool call on a tau2 environment, answered exactly as tau2's Orchestrator answers it
     (`env.get_response`): no type checks of our own, because the evaluator replays the recorded calls through
     the same path and must get the same responses (the tools coerce e.g. amount="50" through pydantic).
-    Returns (tau2 ToolCall or None when unrepresentable, observation text)."""
+    Returns (tau2 ToolCall or None when unrepresentable, observation text, error): error is the ToolMessage's
+    own flag, what the Orchestrator counts toward max_errors (tau2/orchestrator/orchestrator.py:652)."""
     tc = _tool_call(name, arguments, requestor, call_id)
     if isinstance(tc, str):
-        return None, tc
+        return None, tc, True
     try:
-        return tc, env.get_response(tc).content   # the package's own path: tool errors become "Error: ..."
+        answer = env.get_response(tc)   # the package's own path: tool errors become "Error: ...", error=True
+        return tc, answer.content, bool(answer.error)
     except Exception as exc:   # a response the package cannot serialise; its Orchestrator would fail here too
-        return tc, f"Error: {type(exc).__name__}: {exc}"
+        return tc, f"Error: {type(exc).__name__}: {exc}", True
 
 
 def _user_sim_prompt(task: Task) -> str:
@@ -296,6 +305,8 @@ class Tau2Env:
         self.last_user_tool_calls: list[dict] = []
         self.n_calls = 0
         self.done = False
+        self.end_reason: str | None = None   # set once tau2's Orchestrator would have ended the episode
+        self._referee = None                 # a replay of the trajectory's calls, made when errors could count
 
     def _next_id(self) -> str:
         self.n_calls += 1
@@ -313,7 +324,7 @@ class Tau2Env:
         t2 = _tau2()
         self.user_messages.append({"role": "user", "content": assistant_text or ""})
         self.last_user_tool_calls = []
-        for _ in range(MAX_USER_TOOL_STEPS + 1):
+        for message in range(MAX_USER_TOOL_STEPS + 1):
             reply = _call_user_fn(self.user_fn, self.user_messages, self.user_tools)
             calls = _calls_of(reply) if self.user_tools else []
             if calls and len(self.last_user_tool_calls) < MAX_USER_TOOL_STEPS:
@@ -322,7 +333,8 @@ class Tau2Env:
                 for n, a in calls:
                     obs = _run_call(self.env, n, a, "user", self._next_id())[1]
                     self.user_messages.append({"role": "tool", "content": obs})
-                    self.last_user_tool_calls.append({"name": n, "arguments": a})
+                    # "message": which of the user's device-call messages it was (one Orchestrator step each)
+                    self.last_user_tool_calls.append({"name": n, "arguments": a, "message": message})
                 continue
             text = _text_of(reply)
             self.user_messages.append({"role": "assistant", "content": text})
@@ -332,6 +344,42 @@ class Tau2Env:
             return text
         self.done = True   # the user kept calling tools past the limit
         return None
+
+    def ending(self, traj: Trajectory) -> str | None:
+        """tau2's Orchestrator limits, applied during the rollout: "too_many_errors" or "max_steps" once the
+        trajectory so far would have ended the official simulation (orchestrator_ending), else None. The engine
+        asks after every assistant message and every user message (rollout.py Engine.end_act) and ends the row
+        with this reason, which score() then reads. Whether a call failed is what tau2 answers when the calls
+        are replayed in conversation order on a fresh environment (score's replay), so rehearsed calls count
+        too; that replay is only made once the trajectory holds MAX_ERRORS calls (fewer cannot reach it)."""
+        if self.end_reason is None:
+            sent = sum(len(m.get("tool_calls") or []) + refused_calls(self.task, m)
+                       + len(m.get("user_tool_calls") or []) for m in traj.messages[len(self.task.messages):])
+            failed = self._replay(traj) if sent >= MAX_ERRORS else {"assistant": [], "user": []}
+            self.end_reason = orchestrator_ending(self.task, traj, failed)
+        return self.end_reason
+
+    def _replay(self, traj: Trajectory) -> dict:
+        """Per requestor, whether each call of traj failed, replayed once each on a private fresh environment in
+        conversation order (a user message's device calls, then the agent's calls that follow it)."""
+        if self._referee is None:
+            self._referee = types.SimpleNamespace(env=_fresh_env(self.tau2_task, self.domain), messages=0, calls=0,
+                                                  failed={"assistant": [], "user": []})
+        ref = self._referee
+        new = traj.messages[len(self.task.messages) + ref.messages:]
+        for msg in new:
+            if msg.get("role") == "user":
+                todo = [(n, a, "user") for n, a in _calls_of({"tool_calls": msg.get("user_tool_calls")})]
+            elif msg.get("role") == "assistant":
+                k = len(msg.get("tool_calls") or [])
+                todo = [(c.name, c.arguments, "assistant") for c in traj.calls[ref.calls:ref.calls + k]]
+                ref.calls += k
+            else:
+                continue
+            for name, args, who in todo:
+                ref.failed[who].append(_run_call(ref.env, name, args, who, f"ref_{len(ref.failed[who])}")[2])
+        ref.messages += len(new)
+        return ref.failed
 
 
 def make_env(task: Task, user_fn=None) -> Tau2Env:
@@ -384,13 +432,13 @@ def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
 
     def emit(calls, requestor):
         for name, args in calls:
-            tc, obs = _run_call(env, name, args, requestor, f"call_{counter[0] + 1}")
-            failed[requestor].append(obs.startswith("Error"))
+            tc, obs, error = _run_call(env, name, args, requestor, f"call_{counter[0] + 1}")
+            failed[requestor].append(error)
             if tc is None:
                 stats["dropped"] += 1   # not a call tau2 could represent; it could change nothing
                 continue
             counter[0] += 1
-            stats["errors"] += obs.startswith("Error:")
+            stats["errors"] += error
             stats["agent_calls" if requestor == "assistant" else "user_calls"] += 1
             cls = m.AssistantMessage if requestor == "assistant" else m.UserMessage
             out.append(cls(role=requestor if requestor == "user" else "assistant", tool_calls=[tc]))
@@ -417,48 +465,78 @@ def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
 
 MAX_STEPS = 200     # tau2.config DEFAULT_MAX_STEPS: the Orchestrator's step limit (tau2 run's default) ...
 MAX_ERRORS = 10     # ... and DEFAULT_MAX_ERRORS: tool errors (agent's and user's) before it ends the simulation
+ORCHESTRATOR_ENDINGS = ("too_many_errors", "max_steps")   # TerminationReason values; the rollout ends with them
+# Calls the engine's parser refuses that still reach tau2 from a served model (well-formed JSON in the call
+# tags): an unknown tool name and a missing required argument. tau2's environment answers both with an error
+# (tau2/environment/environment.py get_response :436-444; toolkit.py use_tool :116-117 "Tool ... not found"; a
+# missing argument is the tool function's own exception), so each counts toward max_errors.
+REFUSED_BUT_SENT = ("unknown_tool", "missing_arguments")
+
+
+def refused_calls(task: Task, message: dict) -> int:
+    """How many calls of an assistant message the engine refused (no tool response from tau2's environment,
+    no entry in traj.calls) that tau2 would have executed and answered with an error: re-parsed from the
+    message's raw text with the engine's own parser."""
+    from chat_format import CALL_FORMATS, CallError, parse_turn
+    raw, fmt = message.get("raw"), message.get("call_format")
+    if message.get("role") != "assistant" or not isinstance(raw, str) or fmt not in CALL_FORMATS:
+        return 0
+    return sum(isinstance(item, CallError) and item.kind in REFUSED_BUT_SENT
+               for item in parse_turn(raw, task.tools, fmt).items)
+
+
+def _device_messages(msg: dict) -> list[int]:
+    """The user's device-call messages before a user text, as call counts (Tau2Env records which message each
+    call was in; a hand-made trajectory without that is one call per message)."""
+    sizes: dict = {}
+    for k, c in enumerate(msg.get("user_tool_calls") or []):
+        key = c.get("message", ("call", k)) if isinstance(c, dict) else ("call", k)
+        sizes[key] = sizes.get(key, 0) + 1
+    return list(sizes.values())
 
 
 def orchestrator_ending(task: Task, traj: Trajectory, failed: dict) -> str | None:
-    """How tau2's Orchestrator (tau2/orchestrator/orchestrator.py, run()/step()) would have ended this
-    trajectory early: "too_many_errors" or "max_steps", else None. Its rules: every message sent is a step
-    (the user's, the agent's, and the environment's answer to one message of calls, however many calls);
-    every tool response with an error counts (several in one parallel message, the user's device calls too);
-    after a step whose next receiver is not the environment, step_count >= max_steps ends it with MAX_STEPS,
-    then num_errors >= max_errors with TOO_MANY_ERRORS (the later check wins). Its evaluator scores any
-    ending but a user or agent stop 0. failed: per requestor, whether each call's replayed response erred."""
+    """How tau2's Orchestrator (tau2/orchestrator/orchestrator.py, run() :447-466, step() :592-677) would have
+    ended this trajectory early: "too_many_errors" or "max_steps", else None. Its rules: every message sent is a
+    step (the user's, the agent's, and the environment's answer to one message of calls, however many calls,
+    :676); every tool response with an error counts (:652, several in one parallel message, the user's device
+    calls and the calls the engine refused, refused_calls, too); after a step whose next receiver is not the
+    environment, step_count >= max_steps ends it with MAX_STEPS, then num_errors >= max_errors with
+    TOO_MANY_ERRORS (:461-466, the later check wins). Its evaluator scores any ending but a user or agent stop 0
+    (tau2/evaluator/evaluator.py:69-77). failed: per requestor, whether each call's replayed response erred
+    (a missing entry counts as no error)."""
     agent_err, user_err = iter(failed["assistant"]), iter(failed["user"])
-    steps, errors, ending = 1, 0, None            # step 1: the user's opening message (the greeting is no step)
+    steps, errors = 1, 0                          # step 1: the user's opening message (the greeting is no step)
 
-    def check():
-        nonlocal ending
+    def ending():
+        reason = None
         if steps >= MAX_STEPS:
-            ending = "max_steps"
+            reason = "max_steps"
         if errors >= MAX_ERRORS:
-            ending = "too_many_errors"
-        return ending
+            reason = "too_many_errors"
+        return reason
 
-    if check():
-        return ending
+    if ending():
+        return ending()
     for msg in traj.messages[len(task.messages):]:
         role = msg.get("role")
         if role == "assistant":
             steps += 1
-            calls = msg.get("tool_calls") or []
-            if calls:                              # to the environment: no check until it answers
+            sent, refused = len(msg.get("tool_calls") or []), refused_calls(task, msg)
+            if sent + refused:                     # to the environment: no check until it answers
                 steps += 1
-                errors += sum(next(agent_err, False) for _ in calls)
-            if check():
-                return ending
+                errors += sum(bool(next(agent_err, False)) for _ in range(sent)) + refused
+            if ending():
+                return ending()
         elif role == "user":
-            for _ in msg.get("user_tool_calls") or []:   # one device call, one answer each
+            for n in _device_messages(msg):        # each device-call message and the environment's answer
                 steps += 2
-                errors += next(user_err, False)
-                if check():
-                    return ending
+                errors += sum(bool(next(user_err, False)) for _ in range(n))
+                if ending():
+                    return ending()
             steps += 1
-            if check():
-                return ending
+            if ending():
+                return ending()
     return None
 
 
@@ -468,7 +546,9 @@ def score(task: Task, traj: Trajectory) -> Score:
     messages, stats = _tau2_messages(task, traj)
     failed = stats.pop("failed_calls")
     crit = t2_task.evaluation_criteria
-    ended_early = orchestrator_ending(task, traj, failed)
+    # the rollout's own ending when Tau2Env.ending stopped it there, else what the Orchestrator would have done
+    ended_early = traj.end_reason if traj.end_reason in ORCHESTRATOR_ENDINGS else \
+        orchestrator_ending(task, traj, failed)
     if ended_early is not None:   # the Orchestrator would have stopped here; its evaluator gives 0
         return Score(reward=0.0, components={"completed": False, "end_reason": ended_early,
                                              "note": f"Simulation terminated prematurely. Termination reason: "

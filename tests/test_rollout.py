@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -385,3 +386,23 @@ def test_top_p_cut_keeps_what_a_full_sort_keeps():
         got = top_p_cut(probs, top_p, head=16)   # some rows' heads are longer than 16: sorted whole
         assert torch.equal(got, want)
         assert all(torch.equal(top_p_cut(probs[k:k + 1], top_p, head=16)[0], got[k]) for k in range(6))
+
+
+@pytest.mark.parametrize("respond", [False, True])
+def test_single_turn_task_responds_to_its_call_only_when_asked(tiny64, respond):
+    """A task's own turn limit (single-turn BFCL) ends the episode after its call; respond_at_turn_limit writes
+    the call's response first: rehearsed (WORLD) or executed (OBS), then the row ends, no further ACT turn."""
+    model, tok = tiny64
+    task = dataclasses.replace(tasks(1)[0], max_assistant_turns=1)
+    script = Script(tok, {r: [LOOKUP, ANSWER] for r in range(2)}, {r: [WORLD] for r in range(2)})
+    out = Engine(model, tok).run([task], group_size=2, cfg=SamplingConfig(
+        greedy=True, max_new_tokens=40, seed=0, respond_at_turn_limit=respond), make_env=lambda t: EchoEnv(),
+        responses=lambda row, call: row == 0, steer=script)
+    assert out.end_reasons == ["max_turns", "max_turns"]
+    for row, traj in enumerate(out.trajectories):
+        assert [c.name for c in traj.calls] == ["lookup"]
+        assert [m["role"] for m in traj.messages[-2:]] == (["assistant", "tool"] if respond else ["user", "assistant"])
+        assert traj.rehearsed == ([row == 0] if respond else [None])
+    assert bool((out.roles[0] == Role.WORLD).any()) == respond
+    assert bool((out.roles[1] == Role.OBS).any()) == respond
+    assert int((out.roles == Role.ACT).any(-1).sum()) == 2      # one ACT turn per row, nothing after the response

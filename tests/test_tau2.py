@@ -346,3 +346,70 @@ def test_the_step_limit_ends_a_long_simulation(tasks):
     assert tau2.score(t, long).reward == 0.0
     short = replace(gt, messages=gt.messages[:k] + chatter * 90 + gt.messages[k:])
     assert tau2.score(t, short).reward == 1.0
+
+
+# -- the rollout itself stops there: tau2/orchestrator/orchestrator.py step() :650-653 counts one error per
+#    erring ToolMessage (every call of a parallel message), run() :459-466 ends the simulation with
+#    TOO_MANY_ERRORS once num_errors >= max_errors (10, tau2/config.py:41) after the environment has answered.
+
+@pytest.fixture(scope="module")
+def long_micro(tmp_path_factory):
+    """The tests' micro model with positions for tau2's ~8k-token prompts (steered: its weights never choose)."""
+    import dataclasses
+
+    import policy
+    from tests.conftest import MICRO
+    path = policy.build_tiny(tmp_path_factory.mktemp("micro-tau2") / "model",
+                             dataclasses.replace(MICRO, max_position_embeddings=16384))
+    model, tok = policy.load_policy(str(path))
+    return model.eval(), tok
+
+
+def _call(name, args):
+    import json
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+FAILING = [_call("get_user_details", {"user_id": "nobody_0000"}),   # executed: tau2 answers with an error
+           _call("lookup_everything", {"user_id": "x"}),             # unknown tool: the engine refuses it, tau2 errs
+           _call("find_user_id_by_name_zip", {})]                    # missing arguments: likewise
+
+
+def _failing(n):
+    return "\n".join(FAILING[k % 3] for k in range(n))
+
+
+def test_the_rollout_ends_at_the_tenth_tool_error(tasks, long_micro):
+    """Engine.run on a retail task, the policy steered: 10 failing calls in one message end the episode when
+    they are answered (end_reason "too_many_errors", no further turn); 5 + 5 across two user turns too; 9 and a
+    goodbye do not (the user stops it); a rehearsed row (no call executed) ends at 10 as well. Failing calls of
+    every kind count: executed ones, and those the engine refuses (unknown tool, missing argument), which tau2
+    would run and answer with an error. score() reads the rollout's ending: reward 0, that end_reason.
+    The rule: tau2/orchestrator/orchestrator.py:650-653 (num_errors += 1 per erring ToolMessage, all calls of a
+    message) and :464-466 (TOO_MANY_ERRORS once num_errors >= max_errors, checked after the answer)."""
+    import rollout
+    from tests.scripted import Script
+    model, tok = long_micro
+    engine = rollout.Engine(model, tok)
+    t = next(x for x in tasks["retail"] if x.metadata["tau2_id"] == "0")
+    acts = {0: [[_failing(10)], ["Goodbye."]],
+            1: [[_failing(5)], ["Anything else?"], [_failing(5)], ["Goodbye."]],
+            2: [[_failing(9)], ["Goodbye."]],
+            3: [[_failing(10)], ["Goodbye."]]}
+    world = {3: [[engine.fmt.world_stop]] * 10}
+    def user_fn(messages, tools=None):
+        return "###STOP###" if "Goodbye" in messages[-1]["content"] else "Go on."
+    cfg = rollout.SamplingConfig(greedy=True, max_new_tokens=400, max_world_tokens=8, max_turns=30,
+                                 max_total_len=16384)
+    ro = engine.run([t], 4, cfg, make_env=lambda task: tau2.make_env(task, user_fn), steer=Script(tok, acts, world),
+                    responses=lambda row, call: row == 3)
+    assert ro.end_reasons == ["too_many_errors", "too_many_errors", "final_answer", "too_many_errors"]
+    first, across, nine, rehearsed = ro.trajectories
+    assert [m["role"] for m in first.messages[len(t.messages):]] == ["assistant"]      # ended before any answer
+    assert [m["role"] for m in across.messages[len(t.messages):]].count("assistant") == 3
+    assert len(first.calls) == 4 and len(first.errors) == 6      # 4 executable calls, 6 refused by the parser
+    assert rehearsed.observations == [None] * len(rehearsed.calls)   # nothing answered, nothing executed
+    for traj in (first, across, rehearsed):
+        s = tau2.score(t, traj)
+        assert s.reward == 0.0 and s.components["end_reason"] == "too_many_errors", s.components
+    assert tau2.score(t, nine).components["end_reason"] == "final_answer"
