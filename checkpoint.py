@@ -14,7 +14,6 @@ import random
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,8 +22,6 @@ import torch.distributed as dist
 import policy
 from distributed import Dist, enable_activation_checkpointing, shard
 
-if TYPE_CHECKING:   # annotations only: train.py imports this module
-    from train import TrainConfig
 
 WORLD_DIR = "world_model"   # the separate world model inside a checkpoint folder
 
@@ -119,10 +116,10 @@ def reference_model(model, tok, run: Path, d: Dist):
         raise CheckpointError(f"{exc}; delete {folder} to take the resumed policy as the reference") from exc
 
 
-def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg: TrainConfig, d: Dist, extra: dict,
+def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg, d: Dist, extra: dict,
                     template_kwargs: dict | None = None, world=None):
     """ckpt/step_N/: HF folder (model + tokenizer with its chat template, the template variables),
-    optim_rank{r}.pt, state.json; then `latest` -> it. With world=(model, optimizer) (--world-model
+    optim_rank{r}.pt, state.json (cfg: train.TrainConfig, saved as config); then `latest` -> it. With world=(model, optimizer) (--world-model
     separate), the world model in ckpt/step_N/world_model/ beside optim_world_rank{r}.pt.
 
     Everything is written into a hidden temp folder that is renamed into place, and `latest` is replaced

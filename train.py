@@ -179,7 +179,7 @@ def default_out(model: str, bench: str) -> str:
     return f"runs/{name or 'model'}-{bench}"
 
 
-SFT_TINY_STEPS = 1600  # copy transition at ~280-575 on one machine, ~800-1200 on another; gains go on to 1800 (README)
+SFT_TINY_STEPS = 1600  # copy transition at ~280-575 on one machine, ~800-1200 on another; gains go on to 1800 (results/README.md)
 ROLE_NAMES = {"act": Role.ACT, "world": Role.WORLD}
 
 

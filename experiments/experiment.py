@@ -1,10 +1,10 @@
 """The paper's ablation in miniature: who writes the tool responses during GRPO, and who is trained on them.
 
     # 1. one shared warm start, trained once (get_price responses get no world loss: the mechanism test)
-    python train.py --sft-steps 4000 --steps 0 --sft-world-frac 0.5 --sft-world-skip get_price --out runs/ws-skip-price
+    python train.py --sft-steps 3000 --steps 0 --sft-world-frac 0.5 --sft-world-skip get_price --out runs/ws-skip-price
     # 2. every arm x seed from it, then the report; rerun the same command to continue after a stop
-    python -m experiments.experiment --warm-start runs/ws-skip-price/ckpt/step_004000
-    python -m experiments.experiment --warm-start runs/ws-skip-price/ckpt/step_004000 --arms envace --seeds 0
+    python -m experiments.experiment --warm-start runs/ws-skip-price/ckpt/step_003000
+    python -m experiments.experiment --warm-start runs/ws-skip-price/ckpt/step_003000 --arms envace --seeds 0
     python -m experiments.experiment --only-report         # tables and plots from the JSONs already written
 
 The paper (EnvACE on tau², official code Within-yao/EnvACE, examples/drmas_trainer/) reports standard GRPO

@@ -5,7 +5,7 @@ final answer.
 
 Why not task success: success needs the tiny model's copy transition (names and numbers copied from the
 prompt and observations), whose timing is chaotic and CPU-dependent: step ~280 and ~575 on one machine,
-not yet by step 660 in two runs on another (README). A success threshold at a fixed budget would pass or fail
+not yet by step 660 in two runs on another (results/README.md). A success threshold at a fixed budget would pass or fail
 with the CI machine's float kernels. Trained on the two evaluated families, the protocol was learned by step
 60 in every run we measured (all eight families need more: none by step 120); the test gives 120 steps."""
 import json
