@@ -119,8 +119,9 @@ def reference_model(model, tok, run: Path, d: Dist):
 def save_checkpoint(run: Path, step: int, model, tok, optimizer, cfg, d: Dist, extra: dict,
                     template_kwargs: dict | None = None, world=None):
     """ckpt/step_N/: HF folder (model + tokenizer with its chat template, the template variables),
-    optim_rank{r}.pt, state.json (cfg: train.TrainConfig, saved as config); then `latest` -> it. With world=(model, optimizer) (--world-model
-    separate), the world model in ckpt/step_N/world_model/ beside optim_world_rank{r}.pt.
+    optim_rank{r}.pt, state.json (cfg, a train.TrainConfig, saved in it); then `latest` -> it. With
+    world=(model, optimizer) (--world-model separate), the world model in ckpt/step_N/world_model/ beside
+    optim_world_rank{r}.pt.
 
     Everything is written into a hidden temp folder that is renamed into place, and `latest` is replaced
     last, so a kill at any moment leaves the previous checkpoint as the latest complete one.
