@@ -13,6 +13,8 @@ Shared by rollout.py, train.py and evaluate.py.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -21,6 +23,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerFast, Qwen3Config,
+                          Qwen3ForCausalLM)
+from transformers.utils import logging as hf_logging
+
+import chat_format
+from bench import toyworld
 
 PROJECT_ROOT = Path(__file__).resolve().parent
 TINY_DIR = PROJECT_ROOT / ".cache" / "tiny-qwen3"
@@ -59,8 +69,6 @@ class PolicyLoadError(RuntimeError):
 
 def _renderer():
     """A throwaway tokenizer that only renders the chat template (to put whole chats in the BPE corpus)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), eos_token="<|im_end|>")
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -75,12 +83,8 @@ def tiny_corpus(cfg: TinyConfig) -> list[str]:
               '{"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}',
               '{"error": "unknown tool"}', '{"error": "invalid arguments"}']
     lines += [" ".join(str(rng.randint(0, 999)) for _ in range(20)) for _ in range(200)]
-    try:
-        from bench import toyworld
-    except ImportError:
-        return lines
     lines += toyworld.corpus_text(cfg.corpus_tasks, seed=cfg.seed)
-    import chat_format   # the test-time rehearsal texts, so their scaffolding compresses like the template's
+    # the test-time rehearsal texts, so their scaffolding compresses like the template's
     lines += [chat_format.MEMORY_HEAD, chat_format.MEMORY_TAIL, chat_format.ASSESS_PREFIX, chat_format.ASSESS_OK,
               chat_format.ASSESS_ERROR, chat_format.ASSESS_WRONG, "    assessment: ", "-> predicted"] * 50
     render = _renderer()
@@ -91,11 +95,7 @@ def tiny_corpus(cfg: TinyConfig) -> list[str]:
 
 
 def _entity_words() -> list[str]:
-    try:
-        from bench import toyworld
-        return sorted(set(toyworld.NAMES + toyworld.ITEMS))
-    except ImportError:
-        return []
+    return sorted(set(toyworld.NAMES + toyworld.ITEMS))
 
 
 def build_tokenizer(cfg: TinyConfig):
@@ -103,8 +103,6 @@ def build_tokenizer(cfg: TinyConfig):
     block, template text) compresses into few tokens, while digits and the toy world's entity names stay
     separate tokens: a 3M-parameter model then sees ~100-token chats instead of ~500 and can still copy
     names and do digit arithmetic. Lossless like any byte-level BPE."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     steps = []
@@ -127,7 +125,6 @@ def build_tokenizer(cfg: TinyConfig):
 
 def build_tiny(path: Path, cfg: TinyConfig | None = None) -> Path:
     """Write a deterministic tiny Qwen3 model + tokenizer to `path` (atomically: temp folder, then rename)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = cfg or TinyConfig()
     path = Path(path)
@@ -142,7 +139,6 @@ def build_tiny(path: Path, cfg: TinyConfig | None = None) -> Path:
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, rope_theta=10000.0)
     model = Qwen3ForCausalLM(config)
-    from transformers.utils import logging as hf_logging
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()      # a first-use build must not put a progress bar before a CLI's error line
     try:
@@ -214,7 +210,6 @@ def resolve_model_path(name: str) -> Path:
 def _gguf_source(gguf: Path) -> dict:
     """What a converted folder depends on: the file (path, size, mtime), the folder's own tokenizer files if
     it has any (they are used instead of the GGUF's vocabulary), the converter (transformers version)."""
-    import transformers
 
     def ident(p: Path):
         st = p.stat()
@@ -228,7 +223,6 @@ def gguf_to_hf(gguf: Path, cache_dir: Path | None = None) -> Path:
     """The cached HF folder converted from `gguf` (weights dequantized to float32, tokenizer, generation
     config), converting it first if the cache has no up-to-date copy. Checkpoints trained from it are then
     ordinary HF folders, and later loads skip the ~20 s conversion."""
-    import hashlib
 
     gguf = Path(gguf)
     source = _gguf_source(gguf)
@@ -236,13 +230,11 @@ def gguf_to_hf(gguf: Path, cache_dir: Path | None = None) -> Path:
     out = Path(cache_dir or GGUF_CACHE_DIR) / f"{gguf.stem}-{digest}"
     if (out / GGUF_SOURCE_FILE).exists():
         return out
-    import importlib.util
     missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
     if missing:
         raise PolicyLoadError(f"loading a .gguf model needs the {' and '.join(missing)} package"
                               f"{'s' if len(missing) > 1 else ''}: pip install {' '.join(missing)} "
                               "(versions in requirements.txt)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")   # built aside, then renamed into place whole
     shutil.rmtree(tmp, ignore_errors=True)
@@ -343,7 +335,6 @@ def save_template_kwargs(folder: Path, kwargs: dict):
 
 def load_tokenizer(path: str | Path, chat_template: str | Path | None = None):
     """The folder's tokenizer; `chat_template` (a file) replaces its chat template (saved with it after)."""
-    from transformers import AutoTokenizer
 
     path = resolve_model_path(str(path))
     template = read_chat_template(chat_template) if chat_template else None
@@ -378,7 +369,6 @@ def load_policy(name: str | Path, dtype: torch.dtype = torch.float32, device: st
     """(model, tokenizer) from 'tiny', a local HF folder or a .gguf; clear PolicyLoadError on anything broken.
 
     chat_template: a file whose text replaces the tokenizer's chat template (e.g. TOOLS_TEMPLATE_PATH)."""
-    from transformers import AutoModelForCausalLM
 
     if chat_template:
         read_chat_template(chat_template)   # a bad file fails before any model is built, converted or loaded

@@ -27,9 +27,12 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import chat_format
 import policy
+from bench import toyworld
+from experiments.warm_start_world import lookup_probe
 from pretrain import data
 
 
@@ -102,15 +105,12 @@ def save_checkpoint(out: Path, step: int, model, tok, optimizer, cfg: PretrainCo
 
 def probe(folder: Path, n_tasks: int) -> dict:
     """Keyed lookups on held-out toy-world tables: exact and argument-blind share per lookup tool."""
-    from bench import toyworld
-    from experiments.warm_start_world import lookup_probe
     result = lookup_probe(str(folder), toyworld.load_tasks("test", limit=n_tasks))
     return {tool: {k: v[k] for k in ("exact", "chance", "argument_blind")} for tool, v in result.items()}
 
 
 def export(out: Path, dest: Path):
     """The latest checkpoint as a bf16 HF folder (weights + tokenizer + recipe), for shipping."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     ckpt = out / "ckpt"
     state = json.loads((ckpt / "state.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
@@ -175,7 +175,6 @@ def main(argv=None) -> int:
         cfg = PretrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, save_every=args.save_every,
                              probe_tasks=args.probe_tasks)
         source = policy.ensure_tiny()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).train()
     tok = AutoTokenizer.from_pretrained(source)
     if not (out / "ckpt").exists():
