@@ -871,6 +871,9 @@ class Engine:
                 traj.errors.append(f"user_error: {type(exc).__name__}: {exc}")
                 return row.finish("user_error")
             if reply is None:
+                if getattr(row.env, "last_user_tool_calls", None):   # tau2 telecom: the user acted, then stopped
+                    traj.messages.append({"role": "user", "content": getattr(row.env, "last_user_text", ""),
+                                          "user_tool_calls": list(row.env.last_user_tool_calls)})
                 return row.finish("final_answer")
             if row.turn >= cfg.max_turns:
                 return row.finish("max_turns")

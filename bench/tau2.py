@@ -29,7 +29,9 @@ simulated user's are "assistant") and returns the user's next message. In teleco
 appends the results (role "tool") and asks again, until a plain message. The calls of the last user turn are
 in `env.last_user_tool_calls`; **the rollout must copy them into that user message as `"user_tool_calls"`**
 so that scoring can replay them. A reply containing ###STOP###, ###TRANSFER### or ###OUT-OF-SCOPE### ends the
-episode (user_turn returns None). Without a user_fn, `user_turn` raises: tau² needs a user model.
+episode (user_turn returns None); when the user acted on the device in that same turn, the rollout still records
+the stop message (`env.last_user_text`) with those calls, as tau²'s Orchestrator keeps them. Without a user_fn,
+`user_turn` raises: tau² needs a user model.
 
 Scoring (the EnvACE rule: during training no environment runs in the rollout, the policy invents the
 observations, so the score must come from the trajectory alone). `score` replays `traj.calls` (agent) and the
@@ -303,6 +305,7 @@ class Tau2Env:
                 role = "assistant" if m["role"] == "user" else "user"
                 self.user_messages.append({"role": role, "content": m.get("content") or ""})
         self.last_user_tool_calls: list[dict] = []
+        self.last_user_text = ""
         self.n_calls = 0
         self.done = False
         self.end_reason: str | None = None   # set once tau2's Orchestrator would have ended the episode
@@ -338,6 +341,7 @@ class Tau2Env:
                 continue
             text = _text_of(reply)
             self.user_messages.append({"role": "assistant", "content": text})
+            self.last_user_text = text    # the stop message too: the rollout records it with the device calls
             if any(tok in text for tok in (t2.STOP, t2.TRANSFER, t2.OUT_OF_SCOPE)):
                 self.done = True
                 return None

@@ -354,13 +354,13 @@ def test_the_step_limit_ends_a_long_simulation(tasks):
 
 @pytest.fixture(scope="module")
 def long_micro(tmp_path_factory):
-    """The tests' micro model with positions for tau2's ~8k-token prompts (steered: its weights never choose)."""
+    """The tests' micro model with positions for tau2's prompts (telecom: ~16k tokens; steered: its weights never choose)."""
     import dataclasses
 
     import policy
     from tests.conftest import MICRO
     path = policy.build_tiny(tmp_path_factory.mktemp("micro-tau2") / "model",
-                             dataclasses.replace(MICRO, max_position_embeddings=16384))
+                             dataclasses.replace(MICRO, max_position_embeddings=32768))
     model, tok = policy.load_policy(str(path))
     return model.eval(), tok
 
@@ -413,3 +413,31 @@ def test_the_rollout_ends_at_the_tenth_tool_error(tasks, long_micro):
         s = tau2.score(t, traj)
         assert s.reward == 0.0 and s.components["end_reason"] == "too_many_errors", s.components
     assert tau2.score(t, nine).components["end_reason"] == "final_answer"
+
+
+def test_device_calls_of_the_users_last_turn_are_kept_when_the_user_stops(tasks, long_micro):
+    """A telecom user who performs the expected device actions and says STOP in the same turn: tau²'s
+    Orchestrator runs those calls (they change the device state its ENV_ASSERTION checks) and then ends; the
+    rollout records the stop message with the calls, so the score is the official 1.0 (before: 0, calls lost)."""
+    import rollout
+    from tests.scripted import Script
+    t = next(x for x in tasks["telecom"] if x.metadata["reward_basis"] == ["ENV_ASSERTION"]
+             and all(a["requestor"] == "user" for a in x.ground_truth["actions"]))
+    actions = [a for a in t.ground_truth["actions"] if a["requestor"] == "user"]
+
+    def user_fn(messages, tools=None):   # acts on the device first, then stops at once
+        if messages[-1]["role"] != "tool":
+            return {"content": None, "tool_calls": [{"name": a["name"], "arguments": dict(a["arguments"])}
+                                                    for a in actions]}
+        return "Done. ###STOP###"
+    model, tok = long_micro
+    cfg = rollout.SamplingConfig(greedy=True, max_new_tokens=40, max_turns=4, max_total_len=32768)
+    ro = rollout.Engine(model, tok).run([t], 1, cfg, make_env=lambda task: tau2.make_env(task, user_fn),
+                                        steer=Script(tok, {0: [["Please fix your phone."]]}))
+    traj = ro.trajectories[0]
+    assert ro.end_reasons == ["final_answer"]
+    last = traj.messages[-1]
+    assert last["role"] == "user" and "###STOP###" in last["content"]
+    assert [(c["name"], c["arguments"]) for c in last["user_tool_calls"]] == [(a["name"], a["arguments"])
+                                                                             for a in actions]
+    assert tau2.score(t, traj).reward == 1.0
