@@ -65,6 +65,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from bench import BenchUnavailable, Score, Task, ToolCall, Trajectory
+from chat_format import CALL_FORMATS, CallError, parse_turn
 
 NAME = "tau2"
 DOMAINS = ("airline", "retail", "telecom")
@@ -481,7 +482,6 @@ def refused_calls(task: Task, message: dict) -> int:
     """How many calls of an assistant message the engine refused (no tool response from tau2's environment,
     no entry in traj.calls) that tau2 would have executed and answered with an error: re-parsed from the
     message's raw text with the engine's own parser."""
-    from chat_format import CALL_FORMATS, CallError, parse_turn
     raw, fmt = message.get("raw"), message.get("call_format")
     if message.get("role") != "assistant" or not isinstance(raw, str) or fmt not in CALL_FORMATS:
         return 0
