@@ -1,9 +1,10 @@
 """The policy: load any local HF causal LM or .gguf file, or build the embedded tiny one.
 
-`load_policy("tiny")` builds (once, deterministically from a seed) a small Qwen3-architecture model with a
+`load_policy("tiny-init")` builds (once, deterministically from a seed) a small Qwen3-architecture model with a
 byte-level BPE tokenizer trained on the project's own text and a Qwen3-style chat template with tool support:
 tools listed in the system turn, calls as `<tool_call>{"name":…,"arguments":…}</tool_call>`, results as
-`<tool_response>…</tool_response>` inside a user turn. It is saved as an ordinary HF folder, so the tiny model
+`<tool_response>…</tool_response>` inside a user turn. `load_policy("tiny")` loads the same model after
+pretraining (pretrain/: keyed recall, copying, small arithmetic), shipped in weights/tiny-recall. Both are saved as an ordinary HF folder, so the tiny model
 and a real checkpoint (`--model /path/to/Qwen3-4B`) go through the same loading code. A .gguf file is
 converted once into an HF folder under .cache/gguf/ (dequantized to float32) and loaded from there.
 `chat_template=FILE` replaces the tokenizer's template (chat_templates/chatml-tools.jinja gives tool support to
@@ -35,6 +36,10 @@ from bench import toyworld
 PROJECT_ROOT = Path(__file__).resolve().parent
 TINY_DIR = PROJECT_ROOT / ".cache" / "tiny-qwen3"
 TINY_FORMAT_VERSION = 3  # bump when the tiny recipe changes, so stale caches are rebuilt
+# The tiny model as shipped: TinyConfig's architecture and tokenizer after pretrain/ (keyed recall, copying, small
+# arithmetic; weights/README.md). 'tiny' loads these; 'tiny-init' is the random init they started from.
+TINY_WEIGHTS = PROJECT_ROOT / "weights" / "tiny-recall"
+TINY_NAMES = ("tiny", "tiny-init")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -163,6 +168,22 @@ def ensure_tiny(path: Path = TINY_DIR, cfg: TinyConfig | None = None) -> Path:
     return Path(path)
 
 
+def shipped_tiny(path: Path = TINY_WEIGHTS) -> Path:
+    """The shipped tiny weights' folder; a clear error when they are missing or were made for another recipe
+    (TinyConfig changed since: pretrain again, pretrain/run.py)."""
+    meta = Path(path) / "pretrain.json"
+    if not _is_hf_folder(Path(path)) or not meta.exists():
+        raise PolicyLoadError(f"the tiny model's weights are missing from {str(path)!r} (a partial clone?); "
+                              "restore them with `git checkout -- weights`, or use --model tiny-init (untrained)")
+    want = {"version": TINY_FORMAT_VERSION, **asdict(TinyConfig())}
+    made = json.loads(meta.read_text()).get("tiny_recipe")
+    if made != want:
+        raise PolicyLoadError(f"the weights in {str(path)!r} were pretrained for tiny recipe {made}, but "
+                              f"policy.TinyConfig is now {want}: pretrain them again (python -m pretrain.run) "
+                              "or use --model tiny-init")
+    return Path(path)
+
+
 GGUF_CACHE_DIR = PROJECT_ROOT / ".cache" / "gguf"
 GGUF_FORMAT_VERSION = 1  # bump when the conversion changes, so stale converted folders are rebuilt
 GGUF_SOURCE_FILE = "gguf_source.json"      # written into each converted folder: where it came from
@@ -175,9 +196,12 @@ def _is_hf_folder(path: Path) -> bool:
 
 
 def resolve_model_path(name: str) -> Path:
-    """The HF folder to load for `name`: 'tiny' (built on first use), a local HF folder, or a .gguf file (or a
-    folder holding one .gguf, with or without its tokenizer files), converted once into GGUF_CACHE_DIR."""
+    """The HF folder to load for `name`: 'tiny' (the shipped pretrained weights), 'tiny-init' (the random init,
+    built on first use), a local HF folder, or a .gguf file (or a folder holding one .gguf, with or without its
+    tokenizer files), converted once into GGUF_CACHE_DIR."""
     if name == "tiny":
+        return shipped_tiny()
+    if name == "tiny-init":
         return ensure_tiny()
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and not path.is_file():

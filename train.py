@@ -71,7 +71,8 @@ PER_BENCH = "per benchmark, bench/settings.py"
 @dataclass
 class TrainConfig:
     """Every knob of a run; each field is a flag (--field-name). None means: resolved at start (resolved())."""
-    model: str = opt("tiny", "'tiny' (the embedded model), a local HF folder or a .gguf file")
+    model: str = opt("tiny", "'tiny' (the embedded model, pretrained: weights/tiny-recall), 'tiny-init' (its random init), "
+                           "a local HF folder or a .gguf file")
     chat_template: str = opt("", "a jinja file replacing the model's chat template (default: the model's own)")
     chat_template_kwargs: str = opt("", "extra chat-template variables as a JSON object, e.g. "
                                         "'{\"enable_thinking\": false}' (default: those saved with the model)")
@@ -150,7 +151,7 @@ class TrainConfig:
         """A copy with every None (and the 'auto' choices) replaced by its value for this model and benchmark.
         Runs saved before these were None stored -1 for 'auto': read the same."""
         c = TrainConfig(**asdict(self))
-        tiny = c.model == "tiny"
+        tiny = c.model in policy.TINY_NAMES
         bench = settings.settings_for(c.bench)
         if c.lr is None or c.lr < 0:
             c.lr = 3e-4 if tiny else 1e-6

@@ -544,9 +544,27 @@ DIAGNOSTICS_NOTE = ("Rehearsed turns are turns where the agent rehearsed before 
                     "that proposal's real outcome. Counts summed over seeds.")
 
 
-def write_report(results: Path, plots: bool = True) -> Path:
+def comparison_table(groups: dict, before: dict) -> list[str]:
+    """Markdown rows: per arm in both, held-out success at each budget and get_balance / get_price exact
+    fidelity (B=0), the earlier experiment's mean -> this one's."""
+    lines = ["| arm | " + " | ".join(BUDGET_LABELS) + " | get_balance | get_price |",
+             "|---" * (len(BUDGET_LABELS) + 3) + "|"]
+    for arm, pieces in groups.items():
+        if arm not in before:
+            continue
+        cells = [f"{fmt(mean_std(success(p, label) for p in before[arm])[0])} → "
+                 f"{fmt(mean_std(success(p, label) for p in pieces)[0])}" for label in BUDGET_LABELS]
+        for tool in ("get_balance", "get_price"):
+            old, new = (mean_std(p.get("fidelity_by_tool", {}).get(tool, {}).get("exact") for p in ps)[0]
+                        for ps in (before[arm], pieces))
+            cells.append(f"{fmt(old)} → {fmt(new)}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(results: Path, plots: bool = True, compare_with: Path | None = None) -> Path:
     """Write table.md in `results` (tables, sentences and, unless plots=False, the plots) from the piece JSONs
-    there; its path."""
+    there, with the earlier experiment in `compare_with` side by side when given; its path."""
     groups = load_pieces(results)
     lines = report_header(groups)
     lines += ["## Held-out success", "", SUCCESS_NOTE, "", *success_table(groups), "", ordering_sentence(groups), "",
@@ -557,6 +575,11 @@ def write_report(results: Path, plots: bool = True) -> Path:
     diagnostics = diagnostics_table(groups)
     if len(diagnostics) > 2:
         lines += ["## Test-time rehearsal diagnosed", "", DIAGNOSTICS_NOTE, "", *diagnostics, ""]
+    if compare_with is not None:
+        before = load_pieces(compare_with)
+        lines += [f"## Beside the earlier experiment (`{rel(compare_with)}`)", "",
+                  "Mean over seeds, earlier → this one: held-out success per budget, held-out exact fidelity (B=0).",
+                  "", *comparison_table(groups, before), ""]
     written = write_plots(groups, results) if plots else []
     if written is None:
         print("plots skipped: matplotlib is not installed (pip install -r requirements-plot.txt)")
@@ -589,6 +612,7 @@ def parse_args(argv=None):
     ap.add_argument("--runs", default="runs/experiment", help="run folders (not committed)")
     ap.add_argument("--results", default="results/experiment", help="piece JSONs, table.md and plots")
     ap.add_argument("--only-report", action="store_true", help="write the report from existing pieces only")
+    ap.add_argument("--compare-with", default="", help="an earlier experiment's results folder, reported side by side")
     args = ap.parse_args(argv)
     args.arms = [a for a in args.arms.split(",") if a.strip()] + (["act-only"] if args.act_only else [])
     args.arms = list(dict.fromkeys(args.arms))
@@ -613,7 +637,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     failures = [] if args.only_report else run_pieces(args)
     args.results.mkdir(parents=True, exist_ok=True)
-    table = write_report(args.results)
+    table = write_report(args.results, compare_with=Path(args.compare_with).resolve() if args.compare_with else None)
     print(table.read_text())
     print(f"wrote {rel(table)}")
     if failures:

@@ -306,3 +306,13 @@ def test_lookup_probe_scores_a_model_that_reads_the_argument_and_one_that_ignore
             assert r["argument_blind"] == 1.0
             assert r["exact"] == pytest.approx(sum(sum(c["real"] == row[0]["real"] for c in row)
                                                    for row in r["rows"]) / r["calls"])
+
+
+def test_the_report_sets_an_earlier_experiment_beside_this_one(tmp_path):
+    write_pieces(tmp_path / "old", {"frozen-sim": [0.1, 0.2], "envace": [0.3, 0.5]})
+    write_pieces(tmp_path / "new", {"frozen-sim": [0.3, 0.3], "envace": [0.6, 0.8], "per-role": [0.4, 0.4]})
+    text = experiment.write_report(tmp_path / "new", plots=False, compare_with=tmp_path / "old").read_text()
+    beside = text.split("## Beside the earlier experiment")[1]
+    assert row(beside, "envace")[1] == "0.400 → 0.700" and row(beside, "frozen-sim")[1] == "0.150 → 0.300"
+    assert row(beside, "envace")[-1] == "0.600 → 0.600"          # get_price held-out fidelity, both means
+    assert "| per-role |" not in beside                           # only arms both experiments ran

@@ -114,3 +114,27 @@ def test_a_committed_state_folder_continues_the_run_on_a_new_machine(tmp_path):
     assert resumed == pytest.approx(full, abs=1e-4)
     with pytest.raises(SystemExit):
         run.main(["--out", str(tmp_path / "c"), "--resume-from", str(tmp_path / "nothing")])
+
+
+def test_the_shipped_weights_read_their_context():
+    """weights/tiny-recall (what `--model tiny` loads): keyed lookups right on held-out tables, never blind."""
+    from experiments.warm_start_world import lookup_probe
+    assert policy.resolve_model_path("tiny") == policy.TINY_WEIGHTS
+    result = lookup_probe("tiny", toyworld.load_tasks("test", limit=4))
+    for tool in ("get_balance", "get_price"):
+        assert result[tool]["exact"] >= 0.9 and result[tool]["argument_blind"] == 0, (tool, result[tool])
+    untrained = lookup_probe("tiny-init", toyworld.load_tasks("test", limit=4))
+    assert untrained["get_balance"]["exact"] < 0.5          # the probe can fail: the random init does
+
+
+def test_missing_or_stale_shipped_weights_are_refused_in_one_line(tmp_path):
+    import shutil
+    with pytest.raises(policy.PolicyLoadError, match="missing"):
+        policy.shipped_tiny(tmp_path / "nothing")
+    stale = tmp_path / "stale"
+    shutil.copytree(policy.TINY_WEIGHTS, stale)
+    meta = json.loads((stale / "pretrain.json").read_text())
+    meta["tiny_recipe"]["hidden_size"] += 64
+    (stale / "pretrain.json").write_text(json.dumps(meta))
+    with pytest.raises(policy.PolicyLoadError, match="pretrain them again"):
+        policy.shipped_tiny(stale)
