@@ -177,3 +177,18 @@ def test_logprob_worker_chunked_equals_naive(tmp_path):
 def test_bad_part_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="rollout, logprob, grpo"):
         speed.main(["--smoke", "--parts", "rollout,bogus", "--out", str(tmp_path / "x.json")])
+
+
+def test_attention_share_times_every_attention_call_of_both_methods(tmp_path):
+    from perf import attention_share
+    out = tmp_path / "share.json"
+    assert attention_share.main(["--workload", "toyworld", "--quick", "--tasks", "2", "--group", "2", "--turns", "2",
+                                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["identical_ids"]
+    engine, rowcache = r["engine"], r["rowcache"]
+    # batching: the engine makes one decode call per layer and step for all rows, HF one per row
+    assert 0 < engine["decode"]["calls"] < rowcache["decode"]["calls"]
+    # the same rows attend over at least the same keys (the engine's holes only add to it)
+    assert engine["decode"]["q_kv_millions"] >= rowcache["decode"]["q_kv_millions"] * 0.99 > 0
+    assert 0 < engine["attention_seconds"] < engine["seconds"] and r["bound"] >= r["speedup"]
