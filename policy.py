@@ -4,8 +4,9 @@
 byte-level BPE tokenizer trained on the project's own text and a Qwen3-style chat template with tool support:
 tools listed in the system turn, calls as `<tool_call>{"name":…,"arguments":…}</tool_call>`, results as
 `<tool_response>…</tool_response>` inside a user turn. `load_policy("tiny")` loads the same model after
-pretraining (pretrain/: keyed recall, copying, small arithmetic), shipped in weights/tiny-recall. Both are saved as an ordinary HF folder, so the tiny model
-and a real checkpoint (`--model /path/to/Qwen3-4B`) go through the same loading code. A .gguf file is
+pretraining (pretrain/: keyed recall, copying, small arithmetic), shipped in weights/tiny-recall. Both are saved
+as an ordinary HF folder, so the tiny model and a real checkpoint (`--model /path/to/Qwen3-4B`) go through the same
+loading code. A .gguf file is
 converted once into an HF folder under .cache/gguf/ (dequantized to float32) and loaded from there.
 `chat_template=FILE` replaces the tokenizer's template (chat_templates/chatml-tools.jinja gives tool support to
 ChatML models without it); extra template variables live in a checkpoint's chat_template_kwargs.json.
@@ -37,7 +38,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent
 TINY_DIR = PROJECT_ROOT / ".cache" / "tiny-qwen3"
 TINY_FORMAT_VERSION = 3  # bump when the tiny recipe changes, so stale caches are rebuilt
 # The tiny model as shipped: TinyConfig's architecture and tokenizer after pretrain/ (keyed recall, copying, small
-# arithmetic; weights/README.md). 'tiny' loads these; 'tiny-init' is the random init they started from.
+# arithmetic; pretrain/README.md). 'tiny' loads these; 'tiny-init' is the random init they started from.
 TINY_WEIGHTS = PROJECT_ROOT / "weights" / "tiny-recall"
 TINY_NAMES = ("tiny", "tiny-init")
 
@@ -128,6 +129,11 @@ def build_tokenizer(cfg: TinyConfig):
     return tok
 
 
+def tiny_recipe(cfg: TinyConfig) -> dict:
+    """What identifies a tiny model's build: the format version and the TinyConfig (tiny_recipe.json)."""
+    return {"version": TINY_FORMAT_VERSION, **asdict(cfg)}
+
+
 def build_tiny(path: Path, cfg: TinyConfig | None = None) -> Path:
     """Write a deterministic tiny Qwen3 model + tokenizer to `path` (atomically: temp folder, then rename)."""
 
@@ -152,7 +158,7 @@ def build_tiny(path: Path, cfg: TinyConfig | None = None) -> Path:
         if was_on:
             hf_logging.enable_progress_bar()
     tok.save_pretrained(tmp)
-    (tmp / "tiny_recipe.json").write_text(json.dumps({"version": TINY_FORMAT_VERSION, **asdict(cfg)}, indent=1))
+    (tmp / "tiny_recipe.json").write_text(json.dumps(tiny_recipe(cfg), indent=1))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path
@@ -162,7 +168,7 @@ def ensure_tiny(path: Path = TINY_DIR, cfg: TinyConfig | None = None) -> Path:
     """The tiny model's folder, rebuilt (build_tiny) only when its recorded recipe differs from `cfg`'s."""
     cfg = cfg or TinyConfig()
     recipe = Path(path) / "tiny_recipe.json"
-    want = {"version": TINY_FORMAT_VERSION, **asdict(cfg)}
+    want = tiny_recipe(cfg)
     if not recipe.exists() or json.loads(recipe.read_text()) != want:
         build_tiny(path, cfg)
     return Path(path)
@@ -175,7 +181,7 @@ def shipped_tiny(path: Path = TINY_WEIGHTS) -> Path:
     if not _is_hf_folder(Path(path)) or not meta.exists():
         raise PolicyLoadError(f"the tiny model's weights are missing from {str(path)!r} (a partial clone?); "
                               "restore them with `git checkout -- weights`, or use --model tiny-init (untrained)")
-    want = {"version": TINY_FORMAT_VERSION, **asdict(TinyConfig())}
+    want = tiny_recipe(TinyConfig())
     made = json.loads(meta.read_text()).get("tiny_recipe")
     if made != want:
         raise PolicyLoadError(f"the weights in {str(path)!r} were pretrained for tiny recipe {made}, but "

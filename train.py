@@ -159,7 +159,7 @@ class TrainConfig:
         if c.sft_steps is None or c.sft_steps < 0:
             c.sft_steps = SFT_TINY_STEPS.get(c.model, 0) if c.bench == "toyworld" else 0
         if c.sft_lr is None:    # the random init needs the large step; pretrained weights keep their recall at 1e-3
-            c.sft_lr = {"tiny": 1e-3, "tiny-init": 5e-3}.get(c.model, 1e-5)
+            c.sft_lr = SFT_TINY_LR.get(c.model, 1e-5)
         if c.sft_rehearsal_frac is None or c.sft_rehearsal_frac < 0:   # the tiny model never saw the format
             c.sft_rehearsal_frac = 0.25 if tiny and c.bench == "toyworld" else 0.0
         for key, value in settings.limits_for(c.bench, **{k: getattr(c, k) for k in settings.LIMIT_FIELDS}).items():
@@ -186,6 +186,7 @@ def default_out(model: str, bench: str) -> str:
 # warm-start steps on the toy world: the shipped weights need few (held-out B=0 0.69 at 400, keyed lookups kept;
 # results/warm_start_pretrained/), the random init waits for its copy transition (~280-1200 steps, results/README.md)
 SFT_TINY_STEPS = {"tiny": 400, "tiny-init": 1600}
+SFT_TINY_LR = {"tiny": 1e-3, "tiny-init": 5e-3}   # 5e-3 erodes the pretrained recall (results/warm_start_pretrained/)
 ROLE_NAMES = {"act": Role.ACT, "world": Role.WORLD}
 
 

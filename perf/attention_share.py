@@ -83,9 +83,10 @@ def attention_share(model, tok, workload, group: int, turns: int) -> dict:
     result = {"workload": workload.name, "tasks": len(workload.tasks), "group": group, "turns": turns,
               "context_tokens": int(ref.lengths.float().mean()), "identical_ids": out["turns_mismatched"] == 0}
     for who, wall in (("engine", engine_s), ("rowcache", rowcache_s)):
-        parts = {kind: {"calls": sums.get((who, kind), [0, 0.0, 0])[0],
-                        "seconds": sums.get((who, kind), [0, 0.0, 0])[1],
-                        "q_kv_millions": sums.get((who, kind), [0, 0.0, 0])[2] / 1e6} for kind in ("decode", "feed")}
+        parts = {}
+        for kind in ("decode", "feed"):
+            calls, seconds, q_kv = sums.get((who, kind), (0, 0.0, 0))
+            parts[kind] = {"calls": calls, "seconds": seconds, "q_kv_millions": q_kv / 1e6}
         attention = parts["decode"]["seconds"] + parts["feed"]["seconds"]
         result[who] = {"seconds": wall, "attention_seconds": attention, "attention_share": attention / wall, **parts}
     result["speedup"] = rowcache_s / engine_s
