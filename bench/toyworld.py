@@ -587,6 +587,23 @@ def _lookup_call(r: random.Random, env: ToyEnv, tools=LOOKUP_TOOLS) -> tuple[str
     return "get_price", {"item": r.choice(list(env.prices))}
 
 
+def valid_write_call(rng: random.Random, env: ToyEnv) -> tuple[str, dict]:
+    """A transfer or purchase the rules accept (falls back to a lookup when none is possible)."""
+    if rng.random() < 0.5:
+        rich = [a for a, v in env.balances.items() if v >= 1]
+        if len(env.balances) >= 2 and rich:
+            src = rng.choice(rich)
+            dst = rng.choice([a for a in env.balances if a != src])
+            return "transfer", {"src": src, "dst": dst, "amount": rng.randint(1, env.balances[src])}
+    options = [(a, i) for a in env.balances for i in env.prices
+               if env.stock[i] >= 1 and env.balances[a] >= env.prices[i]]
+    if options:
+        acct, item = rng.choice(options)
+        top = min(env.stock[item], env.balances[acct] // env.prices[item])
+        return "buy", {"account": acct, "item": item, "qty": rng.randint(1, top)}
+    return _lookup_call(rng, env)
+
+
 def world_examples(task: Task, rng: random.Random, n: int, lookup_frac: float = 0.0,
                    skip_lookups=frozenset()) -> list[dict]:
     """A supervised WORLD example on the task's state: the task's opening messages, then n assistant turns

@@ -142,6 +142,53 @@ def lookup_probe(checkpoint: str, tasks, tools=tuple(LOOKUPS)) -> dict:
     return result
 
 
+def write_probe(checkpoint: str, tasks, writes: int = 3, seed: int = 0) -> dict:
+    """Does the world model compute the world's arithmetic? For each task, after its opening messages,
+    `writes` random VALID transfers or purchases (toyworld.valid_write_call), each followed by a lookup of an
+    account it changed (the state update), every call with the real responses before it. The policy writes
+    each response greedily; exact = equal to the real response as parsed JSON. Per tool: transfer, buy, and
+    "lookup after write" (get_balance right after a write that changed that account)."""
+    import random
+
+    import torch
+
+    import policy
+    import rollout
+    from bench import toyworld
+    model, tok = policy.load_policy(checkpoint)
+    eng = rollout.Engine(model.eval(), tok)
+    fmt, counts = eng.fmt, {}
+    for i, task in enumerate(tasks):
+        rng = random.Random(seed * 100_003 + i)
+        env = toyworld.make_env(task)
+        chat = [dict(m) for m in task.messages]
+        for _ in range(writes):
+            name, args = toyworld.valid_write_call(rng, env)
+            account = args.get("src") or args.get("account") or ""
+            steps = [(name, name, args)]
+            if name in ("transfer", "buy"):
+                steps.append(("lookup after write", "get_balance", {"account": account}))
+            for label, tool, arguments in steps:
+                chat.append({"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": tool, "arguments": arguments}}]})
+                real = env.step(tool, arguments)
+                ids, _ = rollout.encode_conversation(eng, task, chat)
+                ids += fmt.encode([(fmt.after_eos + fmt.tool_open, "prompt", True)])[0]
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                         max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+                text = tok.decode(out[0, len(ids):], skip_special_tokens=False).split(fmt.world_stop)[0]
+                try:
+                    exact = json.loads(text.strip()) == json.loads(real)
+                except ValueError:
+                    exact = False
+                c = counts.setdefault(label, [0, 0])
+                c[0] += 1
+                c[1] += exact
+                chat.append({"role": "tool", "content": real})
+    return {label: {"calls": n, "exact": hits / n} for label, (n, hits) in counts.items()}
+
+
 def balance_chance(task, real: str) -> float:
     """How often naming one of the prompt's balances at random gets a get_balance value right: the share of
     the task's starting balances equal to the real one (after a transfer it can be 0)."""

@@ -51,6 +51,28 @@ class DataConfig:
     tools_block_frac: float = 0.15         # share of world documents whose system prompt lists the tools
     user_turn_frac: float = 0.5            # share of world documents with a user question after the system turn
     max_len: int = 512                     # tokens; longer documents are cut (never happens at the defaults)
+    write_frac: float = 0.0                # share of world calls that are VALID transfers or purchases (the
+                                           # world's arithmetic); drawn before lookup_frac, which then takes
+                                           # its share of the rest
+    followup_frac: float = 0.0             # after a valid write, chance the next call looks up an account or
+                                           # item it changed (the state update, in the world's own format)
+
+
+# Named mixtures, switched at a step by pretrain/run.py (--stage): "recall" made the keyed lookups (steps
+# 0-11,000 of the committed run); "arithmetic" keeps them in the mix and makes transfers and purchases, their
+# follow-up lookups and bare arithmetic on the same operand ranges common (valid writes were ~3% of calls).
+STAGES = {
+    "recall": {},
+    "arithmetic": {"world_frac": 0.65, "copy_frac": 0.05, "write_frac": 0.45, "lookup_frac": 0.6,
+                   "followup_frac": 0.6},
+}
+
+
+def stage_config(name: str) -> DataConfig:
+    """The DataConfig of a named stage; a one-line error for an unknown name."""
+    if name not in STAGES:
+        raise ValueError(f"unknown pretraining stage {name!r}; choose from: {', '.join(STAGES)}")
+    return DataConfig(**STAGES[name])
 
 
 def table_key(balances: dict, prices: dict, stock: dict) -> tuple:
@@ -96,16 +118,32 @@ def world_document(rng: random.Random, cfg: DataConfig, held: HeldOut) -> tuple[
         a, b = rng.sample(list(balances), 2)
         messages.append({"role": "user", "content": rng.choice(QUESTIONS).format(
             a=a, b=b, n=rng.randint(1, 20), item=rng.choice(list(prices)))})
+    touched: tuple = ()
     for _ in range(rng.randint(cfg.min_calls, cfg.max_calls)):
-        if rng.random() < cfg.lookup_frac:
+        # the write and follow-up draws only when enabled, so the "recall" stage keeps its random stream
+        if touched and cfg.followup_frac and rng.random() < cfg.followup_frac:
+            name, args = rng.choice(touched)
+        elif cfg.write_frac and rng.random() < cfg.write_frac:
+            name, args = toyworld.valid_write_call(rng, env)
+        elif rng.random() < cfg.lookup_frac:
             name, args = toyworld._lookup_call(rng, env)
         else:
             name, args = toyworld._random_call(rng, env)
+        touched = followups(name, args) if cfg.followup_frac else ()
         messages.append({"role": "assistant", "content": "",
                          "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]})
         messages.append({"role": "tool", "content": env.step(name, args)})
     tools = toyworld.TOOLS if rng.random() < cfg.tools_block_frac else None
     return messages, tools
+
+
+def followups(name: str, args: dict) -> tuple:
+    """The lookups whose answers a valid write just changed."""
+    if name == "transfer":
+        return (("get_balance", {"account": args["src"]}), ("get_balance", {"account": args["dst"]}))
+    if name == "buy":
+        return (("get_balance", {"account": args["account"]}), ("get_price", {"item": args["item"]}))
+    return ()
 
 
 def copy_text(rng: random.Random) -> tuple[str, str]:
@@ -116,12 +154,12 @@ def copy_text(rng: random.Random) -> tuple[str, str]:
     return f"copy: {run}\nagain: ", run + "\n"
 
 
-def arith_lines(rng: random.Random) -> list[tuple[str, str]]:
+def arith_lines(rng: random.Random, cfg: DataConfig) -> list[tuple[str, str]]:
     """[(question, answer)]: the arithmetic the world's responses need (transfers, purchases, halves, sums)."""
     out = []
     for _ in range(rng.randint(4, 10)):
         op = rng.choice("+-*/m")
-        a, b = rng.randint(1, 99), rng.randint(1, 40)
+        a, b = rng.randint(1, 99), rng.randint(1, 99 if cfg.write_frac else 40)
         if op == "+":
             q, r = f"{a} + {b} = ", a + b
         elif op == "-":
@@ -172,7 +210,7 @@ def document(fmt, seed: int, step: int, row: int, cfg: DataConfig, held: HeldOut
         ids, mask = encode_pairs(fmt.tok, [copy_text(rng)])
         kind = "copy"
     else:
-        ids, mask = encode_pairs(fmt.tok, arith_lines(rng))
+        ids, mask = encode_pairs(fmt.tok, arith_lines(rng, cfg))
         kind = "arith"
     return ids[:cfg.max_len], mask[:cfg.max_len], kind
 

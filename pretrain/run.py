@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import chat_format
 import policy
 from bench import toyworld
-from experiments.warm_start_world import lookup_probe
+from experiments.warm_start_world import lookup_probe, write_probe
 from pretrain import data
 
 
@@ -50,6 +50,13 @@ class PretrainConfig:
     seed: int = 0
     save_every: int = 250
     probe_tasks: int = 16
+    # [[first step, pretrain.data stage name], ...]: the document mixture from each step on (--stage appends)
+    stages: list = field(default_factory=lambda: [[0, "recall"]])
+
+
+def stage_at(step: int, cfg: PretrainConfig) -> str:
+    """The data stage that step `step` draws its documents from."""
+    return [name for first, name in cfg.stages if first <= step][-1]
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
@@ -104,9 +111,12 @@ def save_checkpoint(out: Path, step: int, model, tok, optimizer, cfg: PretrainCo
 
 
 def probe(folder: Path, n_tasks: int) -> dict:
-    """Keyed lookups on held-out toy-world tables: exact and argument-blind share per lookup tool."""
-    result = lookup_probe(str(folder), toyworld.load_tasks("test", limit=n_tasks))
-    return {tool: {k: v[k] for k in ("exact", "chance", "argument_blind")} for tool, v in result.items()}
+    """On held-out toy-world tables: keyed lookups (exact and argument-blind share per lookup tool) and the
+    world's arithmetic (exact share of valid transfers, purchases and the lookups after them)."""
+    tasks = toyworld.load_tasks("test", limit=n_tasks)
+    result = lookup_probe(str(folder), tasks)
+    out = {tool: {k: v[k] for k in ("exact", "chance", "argument_blind")} for tool, v in result.items()}
+    return {**out, **write_probe(str(folder), tasks)}
 
 
 def export(out: Path, dest: Path):
@@ -121,7 +131,8 @@ def export(out: Path, dest: Path):
     tok.save_pretrained(tmp)
     probe_result = probe(ckpt, 32)
     (tmp / "pretrain.json").write_text(json.dumps(
-        {"step": state["step"], "config": state["config"], "data": data.describe(data.DataConfig()),
+        {"step": state["step"], "config": state["config"],
+         "data": {name: data.describe(data.stage_config(name)) for _, name in state["config"].get("stages", [[0, "recall"]])},
          "tiny_recipe": json.loads((ckpt / "tiny_recipe.json").read_text()) if (ckpt / "tiny_recipe.json").exists()
          else None, "lookup_probe_32_tasks": probe_result}, indent=1) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
@@ -147,6 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-from", default="", metavar="STATE",
                     help="a committed state folder (results/pretrain/state): copied to OUT/ckpt when OUT has none, "
                          "with its metrics.jsonl beside it, so a new machine continues the same run")
+    ap.add_argument("--stage", default="", choices=["", *data.STAGES],
+                    help="draw documents from this pretrain.data stage from the current step on (recorded in the "
+                         "state, so later pieces keep it)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.export:
@@ -175,13 +189,15 @@ def main(argv=None) -> int:
         cfg = PretrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, save_every=args.save_every,
                              probe_tasks=args.probe_tasks)
         source = policy.ensure_tiny()
+    if args.stage and stage_at(start, cfg) != args.stage:
+        cfg.stages = [*[s for s in cfg.stages if s[0] < start], [start, args.stage]]
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).train()
     tok = AutoTokenizer.from_pretrained(source)
     if not (out / "ckpt").exists():
         shutil.copy(Path(source) / "tiny_recipe.json", out / "tiny_recipe.json")
     fmt = chat_format.derive_chat_format(tok)
     held = data.HeldOut()
-    dcfg = data.DataConfig()
+    stage_configs = {name: data.stage_config(name) for _, name in cfg.stages}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2),
                                   weight_decay=cfg.weight_decay)
     if start:
@@ -191,6 +207,7 @@ def main(argv=None) -> int:
     bar = tqdm(range(start, until), initial=start, total=until, desc="pretrain", dynamic_ncols=True)
     t_last = time.perf_counter()
     for step in bar:
+        dcfg = stage_configs[stage_at(step, cfg)]
         docs = [data.document(fmt, cfg.seed, step, r, dcfg, held) for r in range(cfg.batch)]
         ids, attn, targets = collate(docs, tok.pad_token_id, device)
         for g in optimizer.param_groups:
@@ -215,9 +232,11 @@ def main(argv=None) -> int:
             if cfg.probe_tasks:
                 record["probe"] = probe(out / "ckpt", cfg.probe_tasks)
                 bal, price = record["probe"]["get_balance"], record["probe"]["get_price"]
+                writes = " | ".join(f"{tool} exact {record['probe'][tool]['exact']:.2f}"
+                                    for tool in ("transfer", "buy", "lookup after write") if tool in record["probe"])
                 tqdm.write(f"step {step + 1}: loss {record['loss']:.3f} | get_balance exact {bal['exact']:.2f} "
                            f"blind {bal['argument_blind']:.2f} | get_price exact {price['exact']:.2f} "
-                           f"blind {price['argument_blind']:.2f}")
+                           f"blind {price['argument_blind']:.2f} | {writes}")
             t_last = time.perf_counter()
         log.write(json.dumps(record) + "\n")
         log.flush()

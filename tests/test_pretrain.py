@@ -73,8 +73,47 @@ def test_the_loss_falls_on_what_the_policy_writes_never_on_the_table(fmt, held):
         if m["role"] == "tool":
             assert m["content"] in trained
     assert "Accounts:" not in trained and "Accounts:" in tok.decode(ids)
-    ids, mask = data.encode_pairs(tok, data.arith_lines(random.Random(0)))
+    ids, mask = data.encode_pairs(tok, data.arith_lines(random.Random(0), data.DataConfig()))
     assert "=" not in tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_the_arithmetic_stage_writes_valid_transfers_and_purchases_and_looks_at_what_they_changed(held):
+    cfg = data.stage_config("arithmetic")
+    writes = followed = 0
+    for i in range(200):
+        messages, _ = data.world_document(random.Random(i), cfg, held)
+        calls = [m["tool_calls"][0]["function"] for m in messages if m["role"] == "assistant"]
+        responses = [m["content"] for m in messages if m["role"] == "tool"]
+        for k, (call, response) in enumerate(zip(calls, responses)):
+            if call["name"] in ("transfer", "buy") and "error" not in response:
+                writes += 1
+                nxt = calls[k + 1] if k + 1 < len(calls) else None
+                followed += nxt is not None and (nxt["name"], nxt["arguments"]) in data.followups(
+                    call["name"], call["arguments"])
+    assert writes > 300 and followed > writes / 3, (writes, followed)
+    with pytest.raises(ValueError, match="unknown pretraining stage"):
+        data.stage_config("nope")
+
+
+def test_a_valid_write_call_is_accepted_by_the_world():
+    for i in range(300):
+        task = toyworld.load_tasks("train", limit=300)[i]
+        env = toyworld.make_env(task)
+        rng = random.Random(i)
+        for _ in range(4):
+            name, args = toyworld.valid_write_call(rng, env)
+            assert "error" not in env.step(name, args), (name, args)
+
+
+def test_a_stage_switch_is_recorded_and_kept_by_later_pieces(tmp_path):
+    common = ["--steps", "6", "--save-every", "2", "--probe-tasks", "0", "--batch", "2"]
+    assert run.main(["--out", str(tmp_path / "a"), *common, "--until", "2"]) == 0
+    assert run.main(["--out", str(tmp_path / "a"), "--stage", "arithmetic", "--until", "4"]) == 0
+    assert run.main(["--out", str(tmp_path / "a")]) == 0
+    state = json.loads((tmp_path / "a" / "ckpt" / "state.json").read_text())
+    assert state["step"] == 6 and state["config"]["stages"] == [[0, "recall"], [2, "arithmetic"]]
+    cfg = run.PretrainConfig(stages=state["config"]["stages"])
+    assert [run.stage_at(s, cfg) for s in (0, 1, 2, 5)] == ["recall", "recall", "arithmetic", "arithmetic"]
 
 
 def test_targets_are_the_next_token_where_the_mask_is_set():
