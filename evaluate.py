@@ -43,6 +43,7 @@ from tqdm import tqdm
 import policy
 import rehearse
 from bench import BENCHES, BenchUnavailable, load_bench, optional, settings
+from intervals import paired_difference, per_task_rewards, success_interval
 from chat_format import TemplateError
 from cli import OneLineParser, add_template_args, int_at_least, task_opts_arg
 from rollout import SamplingConfig, describe_row, load_engine, make_env_fn, model_user_fn
@@ -53,7 +54,7 @@ TABLE_DIAGNOSTICS = ("rehearsed_turns", "assessed", "assess_agree_rate", "assess
                      "assess_unmeasured", "verdict_unparsed", "changed_rate", "changed", "helped", "hurt", "neutral",
                      "effect_unmeasured")
 TRAIN_RUN = Path("runs/tiny-toyworld")
-DEFAULT_TOYWORLD_LIMIT = 32
+DEFAULT_TOYWORLD_LIMIT = 256      # of its 1000 test tasks: a success's 95% interval is then about +-0.055
 
 
 def _budgets(text):
@@ -164,15 +165,50 @@ def group_of(task) -> str | None:
     return None
 
 
+def paired_comparisons(records_by_run: dict) -> dict:
+    """Every run against the first (B=0 where it was asked for), paired on the same tasks and trials (seeds):
+    the difference in success with its paired-bootstrap 95% interval and the tasks that got better or worse;
+    per group too."""
+    names = list(records_by_run)
+    if "B=0" in names:
+        names.remove("B=0")
+        names.insert(0, "B=0")
+    base = names[0]
+    out = {}
+    for name in names[1:]:
+        a, b = records_by_run[name], records_by_run[base]
+        entry = {"overall": asdict(paired_difference(per_task_rewards(a), per_task_rewards(b))), "groups": {}}
+        for g in sorted({r["group"] for r in b if r["group"] is not None}):
+            ga = per_task_rewards([r for r in a if r["group"] == g])
+            gb = per_task_rewards([r for r in b if r["group"] == g])
+            if set(ga) & set(gb):
+                entry["groups"][g] = asdict(paired_difference(ga, gb))
+        out[f"{name} - {base}"] = entry
+    return out
+
+
+def paired_lines(paired: dict) -> list[str]:
+    """The paired comparisons as text lines (overall, then each group)."""
+    lines = []
+    for label, entry in paired.items():
+        for g, d in [("overall", entry["overall"]), *entry["groups"].items()]:
+            verdict = "" if d["lo"] > 0 or d["hi"] < 0 else "  no difference"
+            lines.append(f"{label:<12} {g:<22} {d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]  n={d['tasks']}  "
+                         f"{d['better']} better, {d['worse']} worse{verdict}")
+    return lines
+
+
 def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = False) -> dict:
     """Aggregate JSONL records (one per task and trial) into the summary of one run."""
     pass_k = _pass_k_fn(bench_name)
 
     def block(recs):
-        by_task = defaultdict(list)
+        by_task, rewards = defaultdict(list), per_task_rewards(recs)
         for r in recs:
             by_task[r["task_id"]].append(r["reward"] >= 1.0 - 1e-9)
+        rate = success_interval(rewards)
         out = {"tasks": len(by_task), "trajectories": len(recs), "success": _mean([r["reward"] for r in recs]),
+               "success_95ci": [rate.lo, rate.hi], "ci_method": rate.method,
                # the scorer raised: those rows hold a 0 that is no verdict
                "evaluator_errors": sum(bool(r["components"].get("evaluator_error")) for r in recs)}
         if k > 1:
@@ -226,6 +262,28 @@ def _fmt(v):
     return str(v)
 
 
+def _with_ci(block: dict) -> dict:
+    """A summary block for the table: the 95% interval as one cell under success, the method left out."""
+    out = {}
+    for key, v in block.items():
+        if key == "success_95ci":
+            out["success 95% CI"] = f"[{v[0]:.3f}, {v[1]:.3f}]"
+        elif key != "ci_method":
+            out[key] = v
+    return out
+
+
+def _group_cells(block: dict) -> dict:
+    """A group's table cells: success with its interval in one cell, then pass^k / F1 where present."""
+    if not block:
+        return {}
+    lo, hi = block["success_95ci"]
+    out = {"success": f"{block['success']:.3f} [{lo:.3f}, {hi:.3f}]"}
+    out.update({k: v for k, v in block.items() if k not in ("tasks", "trajectories", "success", "success_95ci",
+                                                            "ci_method", "evaluator_errors")})
+    return out
+
+
 def table(bench_name: str, runs: dict) -> str:
     """Side-by-side text table: one column per run (budget), rows = metrics."""
     names = list(runs)
@@ -240,13 +298,13 @@ def table(bench_name: str, runs: dict) -> str:
         for key in keys:
             rows.append([f"{prefix}{key}"] + [_fmt((get(runs[n]) or {}).get(key)) for n in names])
 
-    metric_rows(f"{bench_name} ", lambda s: s["overall"])
+    metric_rows(f"{bench_name} ", lambda s: _with_ci(s["overall"]))
     groups = []
     for s in runs.values():
         groups += [g for g in s["groups"] if g not in groups]
     for g in groups:
-        metric_rows(f"  {g} ", lambda s, g=g: {k: v for k, v in s["groups"].get(g, {}).items()
-                                               if k not in ("tasks", "trajectories")})
+        n = max(s["groups"].get(g, {}).get("tasks", 0) for s in runs.values())
+        metric_rows(f"  {g} (n={n}) ", lambda s, g=g: _group_cells(s["groups"].get(g, {})))
     metric_rows("fidelity ", lambda s: s.get("fidelity"))
     metric_rows("rehearsal ", lambda s: {k: s["rehearsal_diagnostics"][k] for k in TABLE_DIAGNOSTICS}
                 if "rehearsal_diagnostics" in s else None)
@@ -432,11 +490,13 @@ def main(argv=None) -> int:
     fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
     out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")
     out.mkdir(parents=True, exist_ok=True)
-    runs, t0 = {}, time.perf_counter()
+    runs, records_by_run, t0 = {}, {}, time.perf_counter()
     for b in budgets:
         path = out / f"trajectories_B{b}_{args.rehearsal_mode}.jsonl"
         records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
-        runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": str(path)}
+        records_by_run[f"B={b}"] = records
+        runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": path.name}
+    paired = paired_comparisons(records_by_run) if len(runs) > 1 else {}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
                "commit": args.rehearsal_commit, "world_model": world,
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
@@ -444,15 +504,18 @@ def main(argv=None) -> int:
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
                "batch_rows": min(args.max_rows or 64, eng.rows_that_fit(
                    SamplingConfig(max_total_len=args.max_total_len), budget_bytes(args))),
-               "seconds": time.perf_counter() - t0, "runs": runs}
+               "seconds": time.perf_counter() - t0, "runs": runs, "paired": paired}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "
           f"rehearsal {args.rehearsal_mode}")
     print(table(args.bench, runs))
+    if paired:
+        print("paired differences in success (same tasks and seeds; 95% paired-bootstrap interval):")
+        print("\n".join(paired_lines(paired)))
     for name, run in runs.items():
         if run["overall"]["evaluator_errors"]:
             print(f"warning: {name}: the scorer raised on {run['overall']['evaluator_errors']} trajectories; they "
-                  f"count as 0 (see components.evaluator_error in {run['jsonl']})", file=sys.stderr)
+                  f"count as 0 (see components.evaluator_error in {out / run['jsonl']})", file=sys.stderr)
     print(f"wrote {out / 'summary.json'}")
     return 0
 

@@ -54,6 +54,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from intervals import paired_difference, per_task_rewards, success_interval
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -199,7 +201,9 @@ def held_out_result(out: Path) -> tuple[dict, dict | None]:
     summary = json.loads((out / "summary.json").read_text())
     (run,) = summary["runs"].values()
     entry = {k: v for k, v in run.items() if k != "jsonl"}
-    entry["fidelity_by_tool"] = fidelity_per_tool(ROOT / run["jsonl"])
+    trajectories = out / Path(run["jsonl"]).name
+    entry["fidelity_by_tool"] = fidelity_per_tool(trajectories)
+    entry["per_task"] = per_task_rewards(read_jsonl(trajectories))     # what the paired intervals resample
     return entry, run.get("rehearsal_diagnostics", summary.get("rehearsal_diagnostics"))
 
 
@@ -317,12 +321,77 @@ def success(piece: dict, label: str) -> float | None:
     return piece.get("held_out", {}).get(label, {}).get("overall", {}).get("success")
 
 
+def seed_tasks(pieces: list[dict], label: str, seeds=None) -> dict:
+    """task -> its held-out rewards at `label`, one per seed in seed order (the seeds given, or every seed whose
+    piece recorded per-task rewards): what intervals.py resamples, tasks as the unit."""
+    out: dict = {}
+    for p in pieces:
+        per_task = p.get("held_out", {}).get(label, {}).get("per_task")
+        if per_task is None or (seeds is not None and p.get("seed") not in seeds):
+            continue
+        for task, rewards in per_task.items():
+            out.setdefault(task, []).extend(rewards)
+    return out
+
+
+def interval_cell(pieces: list[dict], label: str) -> str:
+    """'mean [lo, hi]' over tasks (seeds pooled per task) with the std over seeds; mean ± std where the pieces
+    hold no per-task rewards (older pieces)."""
+    per_task = seed_tasks(pieces, label)
+    mean, std = mean_std(success(p, label) for p in pieces)
+    if not per_task:
+        return fmt(mean, std) + (" (no interval)" if mean is not None else "")
+    rate = success_interval(per_task)
+    return f"{rate.mean:.3f} [{rate.lo:.3f}, {rate.hi:.3f}]" + ("" if std is None else f" sd {std:.3f}")
+
+
+def shared_seeds(a: list[dict], b: list[dict], label_a: str, label_b: str) -> list:
+    """The seeds both arms evaluated with per-task rewards at the given labels."""
+    has = lambda ps, label: {p.get("seed") for p in ps  # noqa: E731
+                             if p.get("held_out", {}).get(label, {}).get("per_task") is not None}
+    return sorted(has(a, label_a) & has(b, label_b))
+
+
+def paired_cell(a: list[dict], b: list[dict], label_a: str, label_b: str) -> tuple[str, int]:
+    """The paired difference a - b on the same tasks and seeds as text, and the seeds it pairs (0: none)."""
+    seeds = shared_seeds(a, b, label_a, label_b)
+    if not seeds:
+        return "-", 0
+    d = paired_difference(seed_tasks(a, label_a, seeds), seed_tasks(b, label_b, seeds))
+    return (f"{d.diff:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}] ({d.better} better, {d.worse} worse)"
+            + ("" if d.resolved else " no difference")), len(seeds)
+
+
+ARM_PAIRS = [("envace", "frozen-sim"), ("envace", "per-role"), ("per-role", "frozen-sim"), ("envace", "real"),
+             ("real", "warm-start"), ("envace", "warm-start")]
+
+
+def paired_tables(groups: dict) -> list[str]:
+    """Markdown rows: arm vs arm at each budget, and each budget vs B=0 within an arm, paired on tasks and
+    seeds (the warm start, evaluated once with the first seed, pairs with that seed of the other arm)."""
+    lines = ["| comparison | budget | seeds | difference in success [95% paired interval] |", "|---" * 4 + "|"]
+    for a, b in ARM_PAIRS:
+        if a not in groups or b not in groups:
+            continue
+        for label in BUDGET_LABELS:
+            cell, n = paired_cell(groups[a], groups[b], label, label)
+            if n:
+                lines.append(f"| {a} − {b} | {label} | {n} | {cell} |")
+    for arm, pieces in groups.items():
+        for label in BUDGET_LABELS[1:]:
+            cell, n = paired_cell(pieces, pieces, label, "B=0")
+            if n:
+                lines.append(f"| {arm}: {label} − B=0 | | {n} | {cell} |")
+    return lines
+
+
 def success_table(groups: dict) -> list[str]:
-    """Markdown rows: per arm, held-out success (mean ± std over seeds) at each budget and wall minutes per piece."""
+    """Markdown rows: per arm, held-out success at each budget with its 95% interval over tasks (seeds pooled
+    per task) and the std over seeds, and wall minutes per piece."""
     lines = ["| arm | seeds | " + " | ".join(BUDGET_LABELS) + " | wall min / piece |",
              "|---" * (len(BUDGET_LABELS) + 3) + "|"]
     for arm, pieces in groups.items():
-        cells = [fmt(*mean_std(success(p, label) for p in pieces)) for label in BUDGET_LABELS]
+        cells = [interval_cell(pieces, label) for label in BUDGET_LABELS]
         wall, _ = mean_std(p.get("wall_seconds") for p in pieces)
         minutes = "-" if wall is None else f"{wall / 60:.0f}"
         lines.append(f"| {arm} | {len(pieces)} | " + " | ".join(cells) + f" | {minutes} |")
@@ -408,7 +477,16 @@ def ordering_sentence(groups: dict) -> str:
     if missing:
         return sentence + f"cannot be checked ({', '.join(missing)} missing)."
     holds = all(means[a] < means[b] for a, b in zip(PAPER_ORDER, PAPER_ORDER[1:]))
-    return sentence + ("holds." if holds else "does not hold.")
+    sentence += "holds in the means" if holds else "does not hold in the means"
+    resolved = []
+    for lower, higher in zip(PAPER_ORDER, PAPER_ORDER[1:]):
+        seeds = shared_seeds(groups[higher], groups[lower], "B=0", "B=0")
+        if not seeds:
+            return sentence + " (no per-task rewards to pair)."
+        d = paired_difference(seed_tasks(groups[higher], "B=0", seeds), seed_tasks(groups[lower], "B=0", seeds))
+        resolved.append(f"{higher} − {lower} {d.diff:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]"
+                        + ("" if d.resolved else ", no difference"))
+    return sentence + "; paired on the same tasks and seeds: " + "; ".join(resolved) + "."
 
 
 def mechanism_sentence(groups: dict) -> str:
@@ -524,9 +602,14 @@ def report_header(groups: dict) -> list[str]:
     return lines + [""]
 
 
-SUCCESS_NOTE = ("Mean ± sample std over seeds (one value: one seed). B = private rehearsals before each committed "
+SUCCESS_NOTE = ("Success with its 95% interval over tasks (each task's rewards over the seeds averaged, then a "
+                "bootstrap over tasks; Wilson for one seed) and the sample std over seeds; pieces without per-task "
+                "rewards show mean ± std over seeds. B = private rehearsals before each committed "
                 "turn, B proposals at once (parallel); seq B=2: two in sequence, the second seeing the first's "
                 "memory. The warm start is evaluated once.")
+PAIRED_NOTE = ("Differences in held-out success on the same tasks and evaluation seeds, with a paired-bootstrap "
+               "95% interval over tasks; better / worse count the tasks whose mean reward rose or fell. An interval "
+               "that holds 0 is reported as no difference.")
 HELD_OUT_FIDELITY_NOTE = ("Every real call is also rehearsed by the evaluated checkpoint in a discarded fork and "
                           "compared with the real response (per-role: by its trained world model, which evaluate.py "
                           "takes from the checkpoint's world_model/ folder).")
@@ -568,6 +651,7 @@ def write_report(results: Path, plots: bool = True, compare_with: Path | None = 
     groups = load_pieces(results)
     lines = report_header(groups)
     lines += ["## Held-out success", "", SUCCESS_NOTE, "", *success_table(groups), "", ordering_sentence(groups), "",
+              "## Paired differences", "", PAIRED_NOTE, "", *paired_tables(groups), "",
               "## Held-out world-model fidelity (exact, B=0)", "", HELD_OUT_FIDELITY_NOTE, "",
               *held_out_fidelity_table(groups), "",
               f"## Training-time fidelity: first {WINDOW} → last {WINDOW} GRPO steps", "", TRAINING_FIDELITY_NOTE, "",

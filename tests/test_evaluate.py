@@ -98,6 +98,15 @@ def test_compare_runs_budgets_on_the_same_seeds(micro_path, tmp_path, capsys):
     assert "rehearsal_diagnostics" not in summary["runs"]["B=0"] and "rehearsal_diagnostics" in summary["runs"]["B=2"]
     out = capsys.readouterr().out
     assert "B=0" in out and "B=2" in out
+    # the paired difference on the same tasks and seeds, recomputed from the two JSONL files
+    from intervals import paired_difference, per_task_rewards, success_interval
+    d = paired_difference(per_task_rewards(recs[2]), per_task_rewards(recs[0]))
+    assert summary["paired"]["B=2 - B=0"]["overall"] == pytest.approx(
+        {"diff": d.diff, "lo": d.lo, "hi": d.hi, "tasks": 2, "better": d.better, "worse": d.worse, "same": d.same})
+    assert "paired differences in success" in out and "B=2 - B=0" in out
+    rate = success_interval(per_task_rewards(recs[0]))
+    assert summary["runs"]["B=0"]["overall"]["success_95ci"] == pytest.approx([rate.lo, rate.hi])
+    assert summary["runs"]["B=0"]["jsonl"] == "trajectories_B0_parallel.jsonl"      # no machine path
 
 
 def test_auto_model_falls_back_to_tiny_with_one_line(tmp_path, monkeypatch, capsys):
@@ -136,4 +145,4 @@ def test_pass_hat_k_and_summary_metrics():
     assert s["overall"]["recall"] == pytest.approx(0.625) and s["fidelity"]["pairs"] == 1
     assert s["cost"]["extra_tokens_per_call"] == 10 and s["cost"]["extra_tokens_per_turn"] == 5
     text = evaluate.table("finmcp", {"B=0": s, "B=1": s})
-    assert "category=x success" in text and "finmcp pass^2" in text and "finmcp evaluator_errors" in text
+    assert "category=x (n=1) success    0.500 [" in text and "finmcp pass^2" in text and "finmcp evaluator_errors" in text

@@ -19,8 +19,17 @@ def curve(price_exact):
              "fidelity_exact/get_balance": 0.5, "fidelity_n/get_balance": 4} for s in range(STEPS)]
 
 
-def piece(arm, seed, b0, price_exact=lambda s: 0.2, held_out_price=0.3):
-    held_out = {label: {"overall": {"success": b0 + 0.01 * i}} for i, label in enumerate(experiment.BUDGET_LABELS)}
+TASKS = 100
+
+
+def piece(arm, seed, b0, price_exact=lambda s: 0.2, held_out_price=0.3, per_task=True):
+    """A made-up piece; with per_task, its first round(success x 100) held-out tasks succeed at each budget."""
+    held_out = {}
+    for i, label in enumerate(experiment.BUDGET_LABELS):
+        rate = b0 + 0.01 * i
+        held_out[label] = {"overall": {"success": rate}}
+        if per_task:
+            held_out[label]["per_task"] = {f"t{k}": [float(k < round(rate * TASKS))] for k in range(TASKS)}
     by_tool = {"get_price": {"calls": 10, "exact": held_out_price}, "get_balance": {"calls": 20, "exact": 0.5}}
     return {"piece": f"{arm}-s{seed}", "arm": arm, "seed": seed, "warm_start": "runs/ws/ckpt/step_004000",
             "grpo_steps": STEPS, "lr": 3e-4, "tasks_per_step": 8, "group_size": 4, "eval_tasks": 32,
@@ -28,14 +37,14 @@ def piece(arm, seed, b0, price_exact=lambda s: 0.2, held_out_price=0.3):
             "held_out": held_out, "fidelity_by_tool": by_tool}
 
 
-def write_pieces(results: Path, b0: dict):
+def write_pieces(results: Path, b0: dict, per_task=True):
     """3 arms x 2 seeds; envace's get_price fidelity rises from 0 to 1 over training, the others stay flat."""
     results.mkdir(parents=True, exist_ok=True)
     rising = lambda s: s / (STEPS - 1)  # noqa: E731
     for arm, values in b0.items():
         for seed, value in enumerate(values):
             p = piece(arm, seed, value, rising if arm == "envace" else (lambda s: 0.2),
-                      held_out_price=[0.5, 0.7][seed] if arm == "envace" else 0.3)
+                      held_out_price=[0.5, 0.7][seed] if arm == "envace" else 0.3, per_task=per_task)
             (results / f"{arm}-s{seed}.json").write_text(json.dumps(p))
 
 
@@ -45,16 +54,35 @@ def row(table: str, arm: str) -> list[str]:
 
 
 def test_report_numbers_and_paper_ordering_holds(tmp_path):
+    from intervals import paired_difference, success_interval
     write_pieces(tmp_path, {"frozen-sim": [0.1, 0.2], "per-role": [0.2, 0.3], "envace": [0.3, 0.5]})
     text = experiment.write_report(tmp_path, plots=False).read_text()
     success_table = text.split("## Held-out success")[1].split("##")[0]
-    # mean ± sample std over the two seeds: |a - b| / sqrt(2)
-    assert row(success_table, "frozen-sim")[:4] == ["frozen-sim", "2", "0.150 ± 0.071", "0.160 ± 0.071"]
-    assert row(success_table, "envace")[2] == "0.400 ± 0.141"
-    assert row(success_table, "envace")[6] == "0.440 ± 0.141"        # seq B=2, the fifth budget column
+    # the interval over tasks, the two seeds pooled per task; the sample std over seeds |a - b| / sqrt(2)
+    pooled = success_interval({f"t{k}": [float(k < 10), float(k < 20)] for k in range(TASKS)})
+    assert row(success_table, "frozen-sim")[:3] == [
+        "frozen-sim", "2", f"0.150 [{pooled.lo:.3f}, {pooled.hi:.3f}] sd 0.071"]
+    assert row(success_table, "envace")[2].startswith("0.400 [") and row(success_table, "envace")[2].endswith("sd 0.141")
+    assert row(success_table, "envace")[6].startswith("0.440 [")       # seq B=2, the fifth budget column
     assert row(success_table, "envace")[7] == "10"                     # minutes per piece
     assert ("By mean held-out success at B=0: envace (0.400) > per-role (0.250) > frozen-sim (0.150); "
-            "the paper's ordering frozen-sim < per-role < envace holds.") in text
+            "the paper's ordering frozen-sim < per-role < envace holds in the means; paired on the same tasks and "
+            "seeds: per-role − frozen-sim +0.100") in text
+    paired = text.split("## Paired differences")[1].split("##")[0]
+    d = paired_difference({f"t{k}": [float(k < 30), float(k < 50)] for k in range(TASKS)},
+                          {f"t{k}": [float(k < 10), float(k < 20)] for k in range(TASKS)})
+    assert (f"| envace − frozen-sim | B=0 | 2 | +0.250 [{d.lo:+.3f}, {d.hi:+.3f}] (40 better, 0 worse) |"
+            in paired)
+    assert "| envace: B=1 − B=0 | | 2 | +0.010 [+0.000, +0.025] (2 better, 0 worse) no difference |" in paired
+
+
+def test_pieces_without_per_task_rewards_report_mean_and_std(tmp_path):
+    write_pieces(tmp_path, {"frozen-sim": [0.1, 0.2], "per-role": [0.2, 0.3], "envace": [0.3, 0.5]},
+                 per_task=False)
+    text = experiment.write_report(tmp_path, plots=False).read_text()
+    success_table = text.split("## Held-out success")[1].split("##")[0]
+    assert row(success_table, "frozen-sim")[2] == "0.150 ± 0.071 (no interval)"
+    assert "holds in the means (no per-task rewards to pair)." in text
     fidelity_table = text.split("## Held-out world-model fidelity")[1].split("##")[0]
     assert row(fidelity_table, "envace")[1:3] == ["0.500 ± 0.000", "0.600 ± 0.141"]   # get_balance, get_price
     assert row(fidelity_table, "envace")[3] == "-"                           # transfer: no calls
@@ -69,13 +97,13 @@ def test_ordering_sentence_does_not_hold_and_missing_arm(tmp_path):
     write_pieces(tmp_path, {"frozen-sim": [0.1, 0.2], "per-role": [0.45, 0.55], "envace": [0.3, 0.5]})
     text = experiment.write_report(tmp_path, plots=False).read_text()
     assert ("By mean held-out success at B=0: per-role (0.500) > envace (0.400) > frozen-sim (0.150); "
-            "the paper's ordering frozen-sim < per-role < envace does not hold.") in text
+            "the paper's ordering frozen-sim < per-role < envace does not hold in the means") in text
     # equal means are no strict ordering
     groups = experiment.load_pieces(tmp_path)
     for p in groups["per-role"]:
         p["held_out"]["B=0"]["overall"]["success"] = 0.4
     assert "per-role (0.400) = envace (0.400)" in experiment.ordering_sentence(groups)
-    assert experiment.ordering_sentence(groups).endswith("does not hold.")
+    assert "does not hold in the means" in experiment.ordering_sentence(groups)
     del groups["frozen-sim"]
     assert experiment.ordering_sentence(groups).endswith("cannot be checked (frozen-sim missing).")
 
@@ -120,7 +148,7 @@ def test_without_matplotlib_the_tables_are_still_written(tmp_path, monkeypatch, 
     write_pieces(tmp_path, {"envace": [0.3]})
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # `import matplotlib` raises ImportError
     text = experiment.write_report(tmp_path).read_text()
-    assert "| envace | 1 | 0.300 |" in text and ".png" not in text
+    assert "| envace | 1 | 0.300 [" in text and ".png" not in text
     assert "plots skipped" in capsys.readouterr().out
     assert not (tmp_path / "training_success.png").exists()
 
@@ -207,8 +235,9 @@ def fake_commands(warm: Path):
             flag = "--compare" if "--compare" in cmd else "--rehearsal-budget"
             budgets = cmd[cmd.index(flag) + 1]
             fid = [{"call": {"name": "get_price"}, "exact": True, "kv_agreement": 1.0, "error_correct": True}]
-            (out / "t.jsonl").write_text(json.dumps({"fidelity": fid}) + "\n")
-            runs = {f"B={b}": {"overall": {"success": 0.25}, "jsonl": str(out / "t.jsonl")} for b in budgets.split(",")}
+            lines = [{"task_id": f"t{i}", "trial": 0, "reward": float(i == 0), "fidelity": fid} for i in range(4)]
+            (out / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+            runs = {f"B={b}": {"overall": {"success": 0.25}, "jsonl": "t.jsonl"} for b in budgets.split(",")}
             (out / "summary.json").write_text(json.dumps({"runs": runs, "rehearsal_diagnostics": {"x": 1}}))
         return {"cmd": "python " + " ".join(cmd), "wall_seconds": 1.0, "cpu_seconds": 2.0}
     return run
@@ -226,6 +255,7 @@ def test_piece_json_layout(tmp_path, monkeypatch):
                                             "fidelity_exact/buy", "fidelity_n/buy"]
     assert list(p["held_out"]) == experiment.BUDGET_LABELS
     assert p["fidelity_by_tool"]["get_price"]["exact"] == 1.0
+    assert p["held_out"]["B=0"]["per_task"] == {"t0": [1.0], "t1": [0.0], "t2": [0.0], "t3": [0.0]}
     assert p["rehearsal_diagnostics"] == {label: {"x": 1} for label in experiment.BUDGET_LABELS}
     assert json.loads((results / "warm-start.json").read_text())["training_curve"] == []
     assert (results / "table.md").exists()
