@@ -75,11 +75,13 @@ def build_parser() -> OneLineParser:
                    "a local HF folder or a .gguf file")
     add_template_args(p)
     p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
-    p.add_argument("--world-model", default="auto", metavar="{auto,shared,separate,PATH}",
+    p.add_argument("--world-model", default="auto", metavar="{auto,shared,separate,oracle,PATH}",
                    help="who writes the private rehearsals and fidelity probes, as train.py's --world-model: shared "
                    "(the policy itself), separate (the checkpoint's world_model/ folder, saved by a train.py "
-                   "--world-model separate run), auto (separate where the checkpoint has one, else shared), or a "
-                   "local HF folder sharing the policy's tokenizer")
+                   "--world-model separate run), auto (separate where the checkpoint has one, else shared), a "
+                   "local HF folder sharing the policy's tokenizer, or oracle (evaluation only: the real "
+                   "environment, rebuilt to the committed state, answers every rehearsed call; the policy still "
+                   "assesses; what a perfect world model would let B > 0 add)")
     p.add_argument("--user-model", default="", help="local HF folder of the simulated user (tau2, vita); "
                    "default: the policy itself plays the user, in its own context")
     p.add_argument("--split", default=None, help="split to score (default: per benchmark, bench/settings.py: "
@@ -242,7 +244,7 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
     tot = {key: sum(s.get(key, 0) for s in st) for key in
            ("committed_turns", "committed_calls", "committed_checked", "rehearsals", "extra_sampled", "extra_fed",
             "extra_tokens",
-            "memory_tokens", "seconds", "private_seconds", "fidelity_seconds")}
+            "memory_tokens", "seconds", "private_seconds", "fidelity_seconds", "oracle_unavailable")}
     turns, calls = tot["committed_turns"], tot["committed_calls"]
     per = lambda x, n: x / n if n else None  # noqa: E731
     summary["cost"] = {**tot, "extra_tokens_per_turn": per(tot["extra_tokens"], turns),
@@ -350,8 +352,10 @@ def reference_calls(mod, task) -> list[dict] | None:
 def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     """Every (task, trial) at rehearsal budget `budget` on the real environment (rehearse.act_many), scored by
     the benchmark; writes one JSONL line per trajectory to out_path and returns the records."""
+    oracle = getattr(args, "world_model", "") == "oracle"
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
-                                    commit=getattr(args, "rehearsal_commit", "checked"))
+                                    commit=getattr(args, "rehearsal_commit", "checked"),
+                                    world="oracle" if oracle else "model")
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
     user_eng = getattr(args, "user_engine", None) or eng
     limits = settings.settings_for(mod.NAME)
@@ -397,7 +401,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             bar.update(1)
 
         rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine,
-                          memory_budget=budget_bytes(args))
+                          memory_budget=budget_bytes(args), oracle_env=mod.make_env if oracle else None)
     bar.close()
     return records
 
@@ -470,7 +474,9 @@ def main(argv=None) -> int:
                      "--world-model separate); use shared or a folder")
     if world in ("auto", "separate"):
         world = str(saved_world) if (saved_world / "config.json").exists() else "shared"
-    if world != "shared":
+    if world == "oracle":
+        print("world model: oracle, the real environment answers the rehearsed calls", file=sys.stderr)
+    elif world != "shared":
         try:
             wm, wtok = policy.load_policy(world, dtype=dtype, device=device)
         except policy.PolicyLoadError as exc:

@@ -68,6 +68,8 @@ from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spa
 # by their own task's seed, turn and branch, so every episode equals its run alone.
 
 MODES = ("parallel", "sequential")
+WORLDS = ("model", "oracle")      # who writes a private rehearsal's responses: the world model | the real
+                                  # environment on a rebuilt copy (evaluation only: the headroom of B > 0)
 COMMITS = ("checked", "memory")   # what a rehearsed turn commits: the proposal judged ok | a turn regenerated
                                   # under the rehearsal memory (every time: the behaviour before "checked")
 
@@ -84,8 +86,12 @@ class RehearsalConfig:
     commit: str = "checked"         # checked: commit the first proposal whose assessment says ok, token for
                                     # token; regenerate under the memory only when none does. memory: always
                                     # regenerate under the memory
+    world: str = "model"            # oracle: a real environment, rebuilt to the committed state, answers the
+                                    # rehearsed calls instead of the world model (needs act_many's oracle_env)
 
     def __post_init__(self):
+        if self.world not in WORLDS:
+            raise ValueError(f"rehearsal world must be one of {', '.join(WORLDS)}, not {self.world!r}")
         if self.mode not in MODES:
             raise ValueError(f"rehearsal mode must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.commit not in COMMITS:
@@ -569,8 +575,9 @@ class Rehearser:
     a discarded world-model probe before each real call. Each is a Spawn of child rows in the engine's decode
     loop: branches fork the committed context's cache, run their own plans, and leave the batch when done."""
 
-    def __init__(self, eng, task, cfg: SamplingConfig, rcfg: RehearsalConfig, episode: Episode):
+    def __init__(self, eng, task, cfg: SamplingConfig, rcfg: RehearsalConfig, episode: Episode, oracle_env=None):
         self.eng, self.task, self.cfg, self.rcfg, self.episode = eng, task, cfg, rcfg, episode
+        self.oracle_env = oracle_env    # make_env(task) of a fresh real environment (rcfg.world == "oracle")
         # committed turns sample as Engine.run's row 0 does; probes from a stream of their own
         self.fidelity_rng = torch.Generator(device="cpu").manual_seed(cfg.seed + 104729)
         self.predicted: dict[int, str] = {}
@@ -668,6 +675,7 @@ class Rehearser:
             ln.record["raw"], ln.record["content"] = text, parsed.content
             if not stopped or not parsed.items:
                 return                                   # an answer (or a cut-off turn): nothing to rehearse
+            oracle = self._oracle(parent) if self.rcfg.world == "oracle" else None
             for kind, value in fmt.tool_turn(len(parsed.items)):
                 item = parsed.items[value] if kind == "response" else None
                 if kind == "text":
@@ -675,6 +683,11 @@ class Rehearser:
                 elif isinstance(item, CallError):
                     obs = item.observation()
                     ln.record["items"].append({"error": f"{item.kind}: {item.message}", "predicted": obs})
+                    ln.plan += [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
+                elif oracle is not None:                 # the real response on the rebuilt copy, in order
+                    obs = replay_call(oracle, item.name, item.arguments)
+                    ln.record["items"].append({"name": item.name, "arguments": item.arguments, "predicted": obs,
+                                               "oracle": True})
                     ln.plan += [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
                 else:
                     ln.record["items"].append({"name": item.name, "arguments": item.arguments, "predicted": ""})
@@ -687,6 +700,15 @@ class Rehearser:
             line.plan.append(Text(memory, Role.PROMPT, False))
         line.plan.append(Generate(Role.ACT, cfg.max_new_tokens, on_end=on_proposal))
         return line
+
+    def _oracle(self, row: Row):
+        """A real environment in the committed row's current state (the executed calls replayed on a fresh
+        one), or None where it cannot be rebuilt: the world model writes that proposal's responses then, and
+        stats["oracle_unavailable"] counts it."""
+        env = _replayed_env(self.oracle_env, self.task, row.traj, turn=10**9) if self.oracle_env else None
+        if env is None:
+            self.episode.stats["oracle_unavailable"] = self.episode.stats.get("oracle_unavailable", 0) + 1
+        return env
 
     def _commit_from_memory(self, memory: str) -> Spawn:
         """The committed turn, generated after the memory on a branch; the committed row gets its tokens only
@@ -763,7 +785,7 @@ class EpisodeSpec:
 
 @torch.inference_mode()
 def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_rows: int = 64, on_done=None,
-             progress=None, world_model=None, memory_budget: int | None = None) -> list[Episode]:
+             progress=None, world_model=None, memory_budget: int | None = None, oracle_env=None) -> list[Episode]:
     """Committed trajectories for many tasks in one engine batch: each task's committed row and its private
     branches are rows of the same decode loop; tasks join as rows leave, holding at most ~max_rows
     KV-cache rows (a task holds up to max(1, budget) at once in parallel mode, 1 in sequential mode: the
@@ -772,9 +794,12 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
     as each one ends.
     world_model: another model writes every WORLD segment (private rehearsals, fidelity probes), as a
     per-role run's trained world model (Engine.run's argument of the same name).
+    oracle_env: make_env(task) of the benchmark (no simulated user), for rcfg.world == "oracle".
     memory_budget: bytes for KV-cache rows (None: rollout.memory_budget_bytes, half the free memory); max_rows
     is lowered to the rows that fit (rollout.memory_rows), so a large batch waits instead of running out."""
     rcfg = rcfg or RehearsalConfig()
+    if rcfg.world == "oracle" and oracle_env is None:
+        raise ValueError("rehearsal world 'oracle' needs oracle_env (the benchmark's make_env)")
     specs = list(specs)
     if specs:
         max_rows = min(max_rows, eng.rows_that_fit(specs[0].cfg, memory_budget))
@@ -794,7 +819,7 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
         env = spec.make_env(spec.task) if spec.make_env is not None else spec.env
         row = Row(spec.task, eng.prompt_ids(spec.task), env, task_idx=i, stream=0, seed=spec.cfg.seed,
                   counts=stats)
-        row.hooks = Rehearser(eng, spec.task, spec.cfg, rcfg, ep)
+        row.hooks = Rehearser(eng, spec.task, spec.cfg, rcfg, ep, oracle_env)
         row.plan.append(Generate(Role.ACT, spec.cfg.max_new_tokens))
         eng.advance(row)
         live[i] = (row, ep, time.perf_counter())

@@ -41,6 +41,14 @@ Families (`task.metadata["family"]`, gold number of calls in brackets)
     chain   [4]  "Move half of ann's money to bob, then half of bob's money to cal. ..."
                  get_balance(ann), transfer, get_balance(bob) (sees the updated balance), transfer
     pool    [4]  "Move all of bob's and cal's money to ann. ..."  get_balance, transfer, get_balance, transfer
+Costly-mistake families (`families=costly`; the default is the eight above). Here a mistake cannot be taken
+back, as a wrong write in tau² cannot: the task fails if any call errors or any transfer or purchase is not
+exactly a gold one (scored as `strict`), and the right next argument needs the previous call's effect:
+    safe_send   [2]  "Send 25 from ann to bob, but never overdraw ann: if she has less, send all she has."
+                     get_balance, transfer(amount = min(25, balance)); half the time 25 is more than she has
+    topup_buy   [3]  "Send 6 from bob to ann, then buy as many pens for ann as she can afford ..."
+                     transfer, get_price, buy(qty = min((balance + 6) // price, stock)): the transfer decides it
+    exact_afford [3] afford's calls, strict: one purchase, of the affordable quantity, no failed attempt
 Families are dealt round-robin, so any prefix of a split is balanced. Halves are always exact (the generator
 draws even balances where needed).
 
@@ -92,7 +100,11 @@ NAMES = ["ann", "bob", "cal", "dee", "eve", "fay", "gus", "hal",
          "ivy", "jon", "kim", "lou", "max", "ned", "oli", "pam"]
 ITEMS = ["pen", "cup", "hat", "jar", "mug", "bag", "map", "kit"]
 FAMILIES = ["balance", "send", "buy", "half", "total", "afford", "chain", "pool"]
-N_CALLS = {"balance": 1, "send": 1, "buy": 1, "half": 2, "total": 2, "afford": 3, "chain": 4, "pool": 4}
+COSTLY_FAMILIES = ["safe_send", "topup_buy", "exact_afford"]      # scored strict: no errored or extra write
+FAMILY_SETS = {"classic": FAMILIES, "costly": COSTLY_FAMILIES, "all": FAMILIES + COSTLY_FAMILIES}
+N_CALLS = {"balance": 1, "send": 1, "buy": 1, "half": 2, "total": 2, "afford": 3, "chain": 4, "pool": 4,
+           "safe_send": 2, "topup_buy": 3, "exact_afford": 3}
+WRITE_TOOLS = ("transfer", "buy")
 HOLDOUTS = ["pairs", "names", "none"]
 DEFAULT_N = {"train": 10000, "test": 1000}
 
@@ -279,14 +291,14 @@ def _system_text(balances, prices, stock, show_state):
 def _one_task(r, family, split, holdout):
     """Draw one task: returns (balances, prices, stock, user text, gold calls, answer fn). May raise _Reject."""
     n_principal = {"balance": 1, "send": 2, "buy": 1, "half": 2, "total": 2,
-                   "afford": 1, "chain": 3, "pool": 3}[family]
+                   "afford": 1, "chain": 3, "pool": 3, "safe_send": 2, "topup_buy": 2, "exact_afford": 1}[family]
     principal, partner = _principals(r, split, holdout, n_principal)
     n_accounts = max(r.choice([3, 4]), len(principal) + len(partner))
     names = _pick_accounts(r, split, holdout, n_accounts, principal + partner)
     r.shuffle(names)
     bal = {n: r.randint(1, 40) for n in names}
     item = None
-    if family in ("buy", "afford"):
+    if family in ("buy", "afford", "topup_buy", "exact_afford"):
         item = _pick_item(r, split, holdout, principal[0])
         if item is None:
             raise _Reject
@@ -345,11 +357,29 @@ def _one_task(r, family, split, holdout):
         calls = [G(a), G(b)]
         answer = lambda st, obs: (st["balances"][a] + st["balances"][b],
                                   f"Together they have {st['balances'][a] + st['balances'][b]}.")
-    elif family == "afford":
+    elif family == "safe_send":
+        n = bal[a] + r.randint(1, 10) if r.random() < 0.5 else r.randint(1, bal[a])
+        user = (f"Send {n} from {a} to {b}, but never overdraw {a}: if {a} has less than {n}, send all {a} has. "
+                f"No failed call is allowed. How much does {b} have now?")
+        calls = [G(a), T(a, b, min(n, bal[a]))]
+        answer = lambda st, obs: (st["balances"][b], f"{b} has {st['balances'][b]}.")
+    elif family == "topup_buy":        # b tops a up, then a buys what the new balance affords
+        n = r.randint(1, min(bal[b], 20))
+        q = min((bal[a] + n) // prices[item], stock[item])
+        if q < 1 or bal[a] // prices[item] >= q:     # the transfer must decide the quantity
+            raise _Reject
+        user = (f"Send {n} from {b} to {a}, then buy as many {item}s for {a} as {a} can afford and the shop has, "
+                f"in one purchase. No failed call is allowed. How many were bought?")
+        calls = [T(b, a, n), ("get_price", {"item": item}), ("buy", {"account": a, "item": item, "qty": q})]
+        answer = lambda st, obs: (q, f"{q} {item}s were bought.")
+    elif family in ("afford", "exact_afford"):
         if bal[a] < prices[item]:
             bal[a] = prices[item] + r.randint(0, 20)
         q = min(bal[a] // prices[item], stock[item])
         user = f"Buy as many {item}s for {a} as {a} can afford and the shop has. How many were bought?"
+        if family == "exact_afford":
+            user = user.replace("the shop has. How many", "the shop has, in one purchase. No failed call is "
+                                "allowed. How many")
         calls = [G(a), ("get_price", {"item": item}), ("buy", {"account": a, "item": item, "qty": q})]
         answer = lambda st, obs: (q, f"{q} {item}s were bought.")
     elif family == "chain":
@@ -388,9 +418,11 @@ def load_tasks(split: str, limit: int | None = None, seed: int = 0, n: int | Non
         families = list(FAMILIES)
     elif isinstance(families, str):
         families = [f for f in families.split(",") if f]
-    bad = [f for f in families if f not in FAMILIES]
+    families = [x for f in families for x in FAMILY_SETS.get(f, [f])]      # a set name stands for its families
+    bad = [f for f in families if f not in N_CALLS]
     if bad or not families:
-        raise ValueError(f"unknown family {bad or families!r}; choose from: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {bad or families!r}; choose from: {', '.join(N_CALLS)} or a set: "
+                         f"{', '.join(FAMILY_SETS)}")
     total = DEFAULT_N[split] if n is None else int(n)
     count = total if limit is None else min(int(limit), total)
 
@@ -417,7 +449,7 @@ def load_tasks(split: str, limit: int | None = None, seed: int = 0, n: int | Non
             ground_truth={"answer": value, "answer_text": text, "final_state": env.state(),
                           "calls": [{"name": nm, "arguments": args} for nm, args in calls]},
             metadata={"family": family, "n_gold_calls": len(calls), "split": split, "holdout": holdout,
-                      "require_reads": require_reads,
+                      "require_reads": require_reads, "strict": family in COSTLY_FAMILIES,
                       "world": {"balances": bal, "prices": prices, "stock": stock}},
             max_assistant_turns=8,
         ))
@@ -470,7 +502,8 @@ def score(task: Task, traj: Trajectory) -> Score:
     n_obs = min(len(traj.observations), len(real))
     correct = [_same_obs(traj.observations[i], real[i]) for i in range(n_obs)]
     rehearsed = [i for i in range(n_obs) if i < len(traj.rehearsed) and traj.rehearsed[i]]
-    ok = state_ok and answer_ok and (reads_ok or not need_reads)
+    no_mistake = no_costly_mistake(task, traj, real)
+    ok = state_ok and answer_ok and (reads_ok or not need_reads) and (no_mistake or not task.metadata.get("strict"))
     return Score(reward=1.0 if ok else 0.0, components={
         "state_correct": float(state_ok),
         "answer_correct": float(answer_ok),
@@ -483,7 +516,17 @@ def score(task: Task, traj: Trajectory) -> Score:
         "n_rehearsed": len(rehearsed),
         "n_rehearsed_correct": sum(correct[i] for i in rehearsed),
         "calls_match_gold": float(made == [(g["name"], g["arguments"]) for g in gt["calls"]]),
+        "no_costly_mistake": float(no_mistake),
     })
+
+
+def no_costly_mistake(task: Task, traj: Trajectory, real: list[str]) -> bool:
+    """No replayed call errored and the transfers and purchases that went through are exactly the gold ones,
+    in order: what a strict (costly-mistake) task requires on top of state and answer."""
+    if any('"error"' in o for o in real):
+        return False
+    writes = [(c.name, c.arguments) for c, o in zip(traj.calls, real) if c.name in WRITE_TOOLS]
+    return writes == [(g["name"], g["arguments"]) for g in task.ground_truth["calls"] if g["name"] in WRITE_TOOLS]
 
 
 def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
@@ -501,9 +544,11 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
         hit = next((i for i in range(nxt, len(made)) if made[i] == (g["name"], g["arguments"])), None)
         nxt = hit + 1 if hit is not None else nxt
         items.append((f"call {k + 1}: {g['name']} {json.dumps(g['arguments'])}", hit is not None))
-    env, _ = _replay(task, traj)
+    env, real = _replay(task, traj)
+    strict = [("no failed call, no extra write", no_costly_mistake(task, traj, real))] \
+        if task.metadata.get("strict") else []
     return items + [("final state", env.state() == gt["final_state"]),
-                    ("answer", _last_int(_final_text(traj)) == gt["answer"])]
+                    ("answer", _last_int(_final_text(traj)) == gt["answer"])] + strict
 
 
 # ----------------------------------------------------------------------------- gold data and helpers

@@ -324,3 +324,26 @@ def test_self_memory_predicts_what_test_time_rehearsal_writes(eng, micro64):
         rehearsed = ep.rehearsals[0][0]["items"][0]["predicted"]
         (_, predicted, _), = memory_lines(tok, memory_ex)
         assert predicted == " ".join(rehearsed.split()) and rehearsed
+
+
+def test_the_oracle_world_answers_rehearsals_with_the_real_response_of_the_committed_state(eng, micro64):
+    """--world-model oracle: a fresh environment, with the committed calls replayed, answers each rehearsed call;
+    the policy writes no WORLD token and the committed environment never sees a rehearsed call."""
+    _, tok = micro64
+    private = [PING, ASSESS, PING, ASSESS]
+    script = Script(tok, {0: [LOOKUP, ANSWER], 1: private}, {1: [SECRET] * 4})
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    env = CountingEnv()
+    spec = rehearse.EpisodeSpec(tasks(1)[0], cfg, env)
+    with pytest.raises(ValueError, match="oracle_env"):
+        rehearse.act_many(eng, [spec], RehearsalConfig(budget=1, world="oracle"), steer=script)
+    (ep,) = rehearse.act_many(eng, [spec], RehearsalConfig(budget=1, world="oracle"), steer=script,
+                              oracle_env=lambda task: EchoEnv())
+    first, second = (turn[0]["items"][0] for turn in ep.rehearsals)
+    assert first["oracle"] and json.loads(first["predicted"]) == {"tool": "ping", "args": {}, "n": 1}
+    # turn 2: the committed lookup replayed first, so the rehearsed ping is the second call
+    assert json.loads(second["predicted"]) == {"tool": "ping", "args": {}, "n": 2}
+    assert (1, "WORLD") not in script.segment_no
+    assert [c[0] for c in env.calls] == ["lookup"] and "oracle_unavailable" not in ep.stats
+    with pytest.raises(ValueError, match="rehearsal world"):
+        RehearsalConfig(world="psychic")

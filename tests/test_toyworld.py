@@ -496,3 +496,45 @@ def test_checklist_by_hand():
     assert tw.checklist(chain, made_up) == tw.checklist(chain, gold)
     assert tw.checklist(chain, tw.Trajectory(task_id=chain.id, messages=[], calls=[], final_answer="")) == [
         (name, False) for name, _ in tw.checklist(chain, gold)]
+
+
+def test_costly_families_fail_on_an_errored_call_or_an_extra_write_that_classic_ones_forgive():
+    from bench import Trajectory, ToolCall
+    tasks = tw.load_tasks("test", limit=60, families="costly")
+    assert {t.metadata["family"] for t in tasks} == set(tw.COSTLY_FAMILIES) and all(t.metadata["strict"] for t in tasks)
+    assert tw.load_tasks("test", limit=16) == tw.load_tasks("test", limit=16, families="classic")   # default kept
+
+    def traj(task, calls):
+        env = tw.make_env(task)
+        calls = [ToolCall(n, a) for n, a in calls]
+        return Trajectory(task_id=task.id, messages=[], calls=calls, observations=[env.step(c.name, c.arguments)
+                                                                              for c in calls],
+                          final_answer=task.ground_truth["answer_text"])
+    seen = set()
+    for task in tasks:
+        gold = [(g["name"], g["arguments"]) for g in task.ground_truth["calls"]]
+        assert tw.score(task, traj(task, gold)).reward == 1.0
+        assert all(ok for _, ok in tw.checklist(task, traj(task, gold)))
+        fam = task.metadata["family"]
+        # an errored call first (a purchase that cannot be paid), then the gold calls: the same final state
+        w = task.metadata["world"]
+        item = next(iter(w["prices"]))
+        too_much = ("buy", {"account": next(iter(w["balances"])), "item": item, "qty": w["stock"][item] + 1})
+        bad = traj(task, [too_much] + gold)
+        s = tw.score(task, bad)
+        assert s.components["state_correct"] == 1.0 and s.components["no_costly_mistake"] == 0.0 and s.reward == 0
+        assert ("no failed call, no extra write", False) in tw.checklist(task, bad)
+        seen.add(fam)
+        if fam == "topup_buy":    # the quantity the balance before the top-up affords is wrong
+            q = gold[2][1]["qty"]
+            assert q > w["balances"][gold[2][1]["account"]] // w["prices"][gold[2][1]["item"]]
+    assert seen == set(tw.COSTLY_FAMILIES)
+    # a classic task forgives the same errored call
+    classic = tw.load_tasks("test", limit=8)[5]            # afford
+    gold = [(g["name"], g["arguments"]) for g in classic.ground_truth["calls"]]
+    w = classic.metadata["world"]
+    item = next(iter(w["prices"]))
+    extra = ("buy", {"account": next(iter(w["balances"])), "item": item, "qty": w["stock"][item] + 1})
+    assert classic.metadata["family"] == "afford" and tw.score(classic, traj(classic, [extra] + gold)).reward == 1.0
+    with pytest.raises(ValueError, match="choose from"):
+        tw.load_tasks("test", limit=2, families="costlyy")
