@@ -99,6 +99,9 @@ def build_parser() -> OneLineParser:
                    help="what a rehearsed turn commits: checked (the first proposal whose self-assessment says ok, "
                         "token for token; a turn regenerated under the rehearsal memory only when none does) or "
                         "memory (always the regenerated turn)")
+    p.add_argument("--rehearsal-judge", choices=["assessment", "prediction"], default="assessment",
+                   help="what decides that a rehearsed proposal is committed (--rehearsal-commit checked): the "
+                        "policy's assessment saying ok, or the rehearsed responses holding no error")
     p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
                    help="run these budgets on the same tasks and seeds and print them side by side")
     p.add_argument("--temperature", type=float, default=0.6)
@@ -355,6 +358,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     oracle = getattr(args, "world_model", "") == "oracle"
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
                                     commit=getattr(args, "rehearsal_commit", "checked"),
+                                    judge=getattr(args, "rehearsal_judge", "assessment"),
                                     world="oracle" if oracle else "model")
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
     user_eng = getattr(args, "user_engine", None) or eng
@@ -504,7 +508,7 @@ def main(argv=None) -> int:
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": path.name}
     paired = paired_comparisons(records_by_run) if len(runs) > 1 else {}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
-               "commit": args.rehearsal_commit, "world_model": world,
+               "commit": args.rehearsal_commit, "judge": args.rehearsal_judge, "world_model": world,
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},

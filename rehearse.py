@@ -70,6 +70,8 @@ from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spa
 MODES = ("parallel", "sequential")
 WORLDS = ("model", "oracle")      # who writes a private rehearsal's responses: the world model | the real
                                   # environment on a rebuilt copy (evaluation only: the headroom of B > 0)
+JUDGES = ("assessment", "prediction")   # what judges a proposal for commit "checked": the policy's own
+                                        # assessment text | the rehearsed response (ok unless it is an error)
 COMMITS = ("checked", "memory")   # what a rehearsed turn commits: the proposal judged ok | a turn regenerated
                                   # under the rehearsal memory (every time: the behaviour before "checked")
 
@@ -86,10 +88,14 @@ class RehearsalConfig:
     commit: str = "checked"         # checked: commit the first proposal whose assessment says ok, token for
                                     # token; regenerate under the memory only when none does. memory: always
                                     # regenerate under the memory
+    judge: str = "assessment"       # "checked"'s test: the assessment says ok | the rehearsed responses hold
+                                    # no error (the world model's prediction alone; the assessment is ignored)
     world: str = "model"            # oracle: a real environment, rebuilt to the committed state, answers the
                                     # rehearsed calls instead of the world model (needs act_many's oracle_env)
 
     def __post_init__(self):
+        if self.judge not in JUDGES:
+            raise ValueError(f"rehearsal judge must be one of {', '.join(JUDGES)}, not {self.judge!r}")
         if self.world not in WORLDS:
             raise ValueError(f"rehearsal world must be one of {', '.join(WORLDS)}, not {self.world!r}")
         if self.mode not in MODES:
@@ -633,9 +639,13 @@ class Rehearser:
         row.spawn = self._commit_from_memory(memory_text(records, self.rcfg.memory_chars))
 
     def _judged_ok(self, record: dict) -> bool:
-        """A proposal that called a tool, ended on its own, and whose assessment says ok (commit "checked")."""
-        return (self.rcfg.commit == "checked" and bool(record["items"]) and record["terminated"]
-                and assessment_verdict(record["assessment"]) == "ok")
+        """A proposal that called a tool, ended on its own, and whose assessment says ok (commit "checked"; judge
+        "prediction": none of its calls is malformed and no rehearsed response is an error)."""
+        if not (self.rcfg.commit == "checked" and bool(record["items"]) and record["terminated"]):
+            return False
+        if self.rcfg.judge == "prediction":
+            return not any("error" in item or is_error_text(item["predicted"]) for item in record["items"])
+        return assessment_verdict(record["assessment"]) == "ok"
 
     def _commit_checked(self, row: Row, record: dict):
         self.episode.stats["committed_checked"] += 1

@@ -347,3 +347,20 @@ def test_the_oracle_world_answers_rehearsals_with_the_real_response_of_the_commi
     assert [c[0] for c in env.calls] == ["lookup"] and "oracle_unavailable" not in ep.stats
     with pytest.raises(ValueError, match="rehearsal world"):
         RehearsalConfig(world="psychic")
+
+
+def test_the_prediction_judge_commits_a_proposal_unless_its_rehearsed_response_is_an_error(eng, micro64):
+    _, tok = micro64
+    error = ['{"error": "insufficient funds"}\n</tool_response>']
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    committed = {}
+    for judge in ("assessment", "prediction"):
+        for name, world in (("fine", SECRET), ("error", error)):
+            script = Script(tok, {0: [LOOKUP, ANSWER, ANSWER], 1: [PING, ASSESS, ANSWER]}, {1: [world] * 2})
+            ep = act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(budget=1, judge=judge), steer=script)
+            committed[judge, name] = ep.stats["committed_checked"]
+    # the assessment "fine ..." is no verdict: never ok; the prediction judge reads the rehearsed response
+    assert committed == {("assessment", "fine"): 0, ("assessment", "error"): 0,
+                         ("prediction", "fine"): 1, ("prediction", "error"): 0}
+    with pytest.raises(ValueError, match="rehearsal judge"):
+        RehearsalConfig(judge="coin")
