@@ -140,6 +140,41 @@ def export(out: Path, dest: Path):
     return probe_result
 
 
+PROBE_COLUMNS = [("get_balance", "exact"), ("get_balance", "argument_blind"), ("get_price", "exact"),
+                 ("get_price", "argument_blind"), ("transfer", "exact"), ("buy", "exact"),
+                 ("lookup after write", "exact")]
+
+
+def probe_table(metrics: Path, first_step: int = 0) -> str:
+    """The probe curve of a metrics.jsonl as a markdown table, one row per probed step from first_step, with
+    the mean loss of each document kind over the steps since the previous row."""
+    rows, losses = [], {}
+    state = metrics.parent / "state.json"           # the stages, where the metrics sit beside a checkpoint
+    stages = json.loads(state.read_text())["config"].get("stages") if state.exists() else None
+    cfg = PretrainConfig(stages=stages or [[0, "recall"]])
+    for line in metrics.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue                        # a torn last line of a stopped run
+        for kind in data.KINDS:
+            if f"loss_{kind}" in rec:
+                losses.setdefault(kind, []).append(rec[f"loss_{kind}"])
+        if "probe" not in rec:
+            continue
+        if rec["step"] >= first_step:
+            cells = [rec["probe"].get(tool, {}).get(key) for tool, key in PROBE_COLUMNS]
+            mean = {k: sum(v) / len(v) for k, v in losses.items() if v}
+            rows.append([str(rec["step"]), stage_at(rec["step"] - 1, cfg)]
+                        + ["-" if c is None else f"{c:.2f}" for c in cells]
+                        + [f"{mean[k]:.2f}" if k in mean else "-" for k in data.KINDS])
+        losses = {}
+    head = ["step", "stage"] + [f"{t} {'blind' if k == 'argument_blind' else k}" for t, k in PROBE_COLUMNS] + \
+        [f"loss {k}" for k in data.KINDS]
+    return "\n".join(["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+                     + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
 def main(argv=None) -> int:
     """Export the latest checkpoint (--export), or run or resume pretraining up to --until, checkpointing and
     probing every save_every steps and logging a metrics line per step; the exit code."""
@@ -155,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (one job per core)")
     ap.add_argument("--export", default="", metavar="DEST", help="only write the latest checkpoint to DEST (bf16)")
+    ap.add_argument("--table", default="", metavar="METRICS",
+                    help="only print the probe curve of a metrics.jsonl as a markdown table (--table-from STEP)")
+    ap.add_argument("--table-from", type=int, default=0)
     ap.add_argument("--resume-from", default="", metavar="STATE",
                     help="a committed state folder (results/pretrain/state): copied to OUT/ckpt when OUT has none, "
                          "with its metrics.jsonl beside it, so a new machine continues the same run")
@@ -163,6 +201,9 @@ def main(argv=None) -> int:
                          "state, so later pieces keep it)")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.table:
+        print(probe_table(Path(args.table), args.table_from), end="")
+        return 0
     if args.export:
         if not (out / "ckpt" / "state.json").exists():
             ap.error(f"no checkpoint in {out / 'ckpt'}: run a piece first")

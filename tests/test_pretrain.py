@@ -177,3 +177,16 @@ def test_missing_or_stale_shipped_weights_are_refused_in_one_line(tmp_path):
     (stale / "pretrain.json").write_text(json.dumps(meta))
     with pytest.raises(policy.PolicyLoadError, match="pretrain them again"):
         policy.shipped_tiny(stale)
+
+
+def test_the_probe_table_has_a_row_per_probe_with_the_losses_since_the_last(tmp_path):
+    lines = [{"step": 1, "loss_world": 2.0}, {"step": 2, "loss_world": 1.0, "probe": {"get_balance": {
+        "exact": 0.5, "argument_blind": 1.0}}}, {"step": 3, "loss_arith": 0.5},
+        {"step": 4, "loss_world": 0.25, "probe": {"transfer": {"exact": 0.25}}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"torn')
+    (tmp_path / "state.json").write_text(json.dumps({"config": {"stages": [[0, "recall"], [2, "arithmetic"]]}}))
+    rows = [r.strip("|").split("|") for r in run.probe_table(tmp_path / "metrics.jsonl").splitlines()[2:]]
+    rows = [[c.strip() for c in r] for r in rows]
+    assert rows[0][:4] == ["2", "recall", "0.50", "1.00"] and rows[0][-3:] == ["1.50", "-", "-"]
+    assert rows[1][:2] == ["4", "arithmetic"] and rows[1][6] == "0.25" and rows[1][-3:] == ["0.25", "-", "0.50"]
+    assert len(run.probe_table(tmp_path / "metrics.jsonl", first_step=3).splitlines()) == 3
