@@ -88,7 +88,7 @@ def build_parser() -> OneLineParser:
                    "test; BFCL-trained runs: dev, the held-out half of BFCL's multi-turn entries)")
     p.add_argument("--limit", type=int_at_least(1), default=None,
                    help="first N tasks of the split, in the benchmark's order (default: all; toyworld: the "
-                        "first 32 of its 1000; BFCL's order is by category: pick categories with --split)")
+                        "first 256 of its 1000; BFCL's order is by category: pick categories with --split)")
     p.add_argument("--task-opts", type=task_opts_arg, default={}, metavar="OPTS",
                    help="extra load_tasks options as key=value,key=value, as train.py's --task-opts (e.g. "
                         "domain=airline, categories=simple_python)")
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
     try:
         limit = args.limit
         if limit is None and args.bench == "toyworld":
-            limit = DEFAULT_TOYWORLD_LIMIT   # its test split has 1000 tasks; this keeps the default run short
+            limit = DEFAULT_TOYWORLD_LIMIT   # its test split has 1000 tasks
         tasks = mod.load_tasks(args.split, limit=limit, **args.task_opts)
         tasks = tasks[:limit] if limit is not None else tasks     # a loader's limit may be per group (BFCL)
     except (BenchUnavailable, ValueError, TypeError, FileNotFoundError) as exc:

@@ -147,7 +147,8 @@ def write_probe(checkpoint: str, tasks, writes: int = 3, seed: int = 0) -> dict:
     `writes` random VALID transfers or purchases (toyworld.valid_write_call), each followed by a lookup of an
     account it changed (the state update), every call with the real responses before it. The policy writes
     each response greedily; exact = equal to the real response as parsed JSON. Per tool: transfer, buy, and
-    "lookup after write" (get_balance right after a write that changed that account)."""
+    "lookup after write" (get_balance right after a write that changed that account); rows: per call
+    (tool, arguments, real, predicted)."""
     import random
 
     import torch
@@ -157,7 +158,7 @@ def write_probe(checkpoint: str, tasks, writes: int = 3, seed: int = 0) -> dict:
     from bench import toyworld
     model, tok = policy.load_policy(checkpoint)
     eng = rollout.Engine(model.eval(), tok)
-    fmt, counts = eng.fmt, {}
+    fmt, counts, rows = eng.fmt, {}, []
     for i, task in enumerate(tasks):
         rng = random.Random(seed * 100_003 + i)
         env = toyworld.make_env(task)
@@ -185,8 +186,9 @@ def write_probe(checkpoint: str, tasks, writes: int = 3, seed: int = 0) -> dict:
                 c = counts.setdefault(label, [0, 0])
                 c[0] += 1
                 c[1] += exact
+                rows.append({"tool": label, "arguments": arguments, "real": real, "predicted": text.strip()})
                 chat.append({"role": "tool", "content": real})
-    return {label: {"calls": n, "exact": hits / n} for label, (n, hits) in counts.items()}
+    return {**{label: {"calls": n, "exact": hits / n} for label, (n, hits) in counts.items()}, "rows": rows}
 
 
 def balance_chance(task, real: str) -> float:

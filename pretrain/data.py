@@ -60,11 +60,15 @@ class DataConfig:
 
 # Named mixtures, switched at a step by pretrain/run.py (--stage): "recall" made the keyed lookups (steps
 # 0-11,000 of the committed run); "arithmetic" keeps them in the mix and makes transfers and purchases, their
-# follow-up lookups and bare arithmetic on the same operand ranges common (valid writes were ~3% of calls).
+# follow-up lookups and bare arithmetic on the same operand ranges common (valid writes were ~3% of calls);
+# "writes" (from step 20,000) has more world documents and more valid writes in them: at 20,000 the purchases'
+# remaining stock was the one field the world model still got wrong.
 STAGES = {
     "recall": {},
     "arithmetic": {"world_frac": 0.65, "copy_frac": 0.05, "write_frac": 0.45, "lookup_frac": 0.6,
                    "followup_frac": 0.6},
+    "writes": {"world_frac": 0.75, "copy_frac": 0.05, "write_frac": 0.6, "lookup_frac": 0.6,
+               "followup_frac": 0.6},
 }
 
 

@@ -52,6 +52,9 @@ class PretrainConfig:
     probe_tasks: int = 16
     # [[first step, pretrain.data stage name], ...]: the document mixture from each step on (--stage appends)
     stages: list = field(default_factory=lambda: [[0, "recall"]])
+    # [[first step, last step, peak lr], ...]: schedules appended past `steps` by --extend-to (a warm restart:
+    # cosine from the peak down to min_lr_frac * lr over the extension)
+    extensions: list = field(default_factory=list)
 
 
 def stage_at(step: int, cfg: PretrainConfig) -> str:
@@ -59,8 +62,18 @@ def stage_at(step: int, cfg: PretrainConfig) -> str:
     return [name for first, name in cfg.stages if first <= step][-1]
 
 
+def last_step(cfg: PretrainConfig) -> int:
+    """Where the schedule ends: cfg.steps, or the end of its last extension."""
+    return max([cfg.steps] + [end for _, end, _ in cfg.extensions])
+
+
 def lr_at(step: int, cfg: PretrainConfig) -> float:
-    """Linear warmup, then cosine down to min_lr_frac * lr at cfg.steps."""
+    """Linear warmup, then cosine down to min_lr_frac * lr at cfg.steps; in an extension, cosine from its peak."""
+    floor = cfg.min_lr_frac * cfg.lr
+    for first, end, peak in reversed(cfg.extensions):
+        if step >= first:
+            t = min(1.0, (step - first) / max(1, end - first))
+            return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
@@ -116,7 +129,8 @@ def probe(folder: Path, n_tasks: int) -> dict:
     tasks = toyworld.load_tasks("test", limit=n_tasks)
     result = lookup_probe(str(folder), tasks)
     out = {tool: {k: v[k] for k in ("exact", "chance", "argument_blind")} for tool, v in result.items()}
-    return {**out, **write_probe(str(folder), tasks)}
+    writes = write_probe(str(folder), tasks)
+    return {**out, **{tool: v for tool, v in writes.items() if tool != "rows"}}
 
 
 def export(out: Path, dest: Path):
@@ -196,6 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-from", default="", metavar="STATE",
                     help="a committed state folder (results/pretrain/state): copied to OUT/ckpt when OUT has none, "
                          "with its metrics.jsonl beside it, so a new machine continues the same run")
+    ap.add_argument("--extend-to", type=int, default=0, metavar="STEP",
+                    help="lengthen a finished schedule to this step: a warm restart at --extend-lr (recorded in the state)")
+    ap.add_argument("--extend-lr", type=float, default=3e-4, help="peak lr of the --extend-to restart")
     ap.add_argument("--stage", default="", choices=["", *data.STAGES],
                     help="draw documents from this pretrain.data stage from the current step on (recorded in the "
                          "state, so later pieces keep it)")
@@ -230,6 +247,10 @@ def main(argv=None) -> int:
         cfg = PretrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, save_every=args.save_every,
                              probe_tasks=args.probe_tasks)
         source = policy.ensure_tiny()
+    if args.extend_to and args.extend_to > last_step(cfg):
+        if start < last_step(cfg):
+            ap.error(f"--extend-to: the schedule has not ended (step {start} of {last_step(cfg)}); finish it first")
+        cfg.extensions = [*cfg.extensions, [start, args.extend_to, args.extend_lr]]
     if args.stage and stage_at(start, cfg) != args.stage:
         cfg.stages = [*[s for s in cfg.stages if s[0] < start], [start, args.stage]]
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).train()
@@ -243,7 +264,7 @@ def main(argv=None) -> int:
                                   weight_decay=cfg.weight_decay)
     if start:
         optimizer.load_state_dict(torch.load(out / "ckpt" / "optimizer.pt", map_location=device))
-    until = min(args.until or cfg.steps, cfg.steps)
+    until = min(args.until or last_step(cfg), last_step(cfg))
     log = open(out / "metrics.jsonl", "a")
     bar = tqdm(range(start, until), initial=start, total=until, desc="pretrain", dynamic_ncols=True)
     t_last = time.perf_counter()

@@ -116,6 +116,23 @@ def test_a_stage_switch_is_recorded_and_kept_by_later_pieces(tmp_path):
     assert [run.stage_at(s, cfg) for s in (0, 1, 2, 5)] == ["recall", "recall", "arithmetic", "arithmetic"]
 
 
+def test_an_extension_restarts_the_lr_and_is_kept_by_later_pieces(tmp_path):
+    common = ["--steps", "4", "--save-every", "2", "--probe-tasks", "0", "--batch", "2"]
+    assert run.main(["--out", str(tmp_path / "a"), *common, "--until", "2"]) == 0
+    with pytest.raises(SystemExit):                  # the first schedule has not ended
+        run.main(["--out", str(tmp_path / "a"), "--extend-to", "8"])
+    assert run.main(["--out", str(tmp_path / "a")]) == 0
+    assert run.main(["--out", str(tmp_path / "a"), "--extend-to", "8", "--extend-lr", "5e-4", "--until", "6"]) == 0
+    assert run.main(["--out", str(tmp_path / "a")]) == 0          # the recorded extension continues to 8
+    state = json.loads((tmp_path / "a" / "ckpt" / "state.json").read_text())
+    assert state["step"] == 8 and state["config"]["extensions"] == [[4, 8, 5e-4]]
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    cfg = run.PretrainConfig(**state["config"])
+    assert lrs[4] == pytest.approx(5e-4) and lrs[3] < lrs[4]            # a warm restart at step 4
+    assert lrs == pytest.approx([run.lr_at(s, cfg) for s in range(8)])
+    assert lrs[5] > lrs[6] > lrs[7] > cfg.min_lr_frac * cfg.lr          # cosine down over the extension
+
+
 def test_targets_are_the_next_token_where_the_mask_is_set():
     ids, attn, targets = run.collate([([5, 6, 7, 8], [0, 0, 1, 1], "x"), ([9, 10], [0, 1], "y")], 0, "cpu")
     assert targets.tolist() == [[-100, 7, 8, -100], [10, -100, -100, -100]]
