@@ -67,6 +67,8 @@ def summarize(args) -> dict:
     """Each run's success with its interval and diagnostics, each B vs B=0 paired, per family set."""
     out = {"model": args.model_label, "tasks": args.limit, "seed": args.seed, "sets": {}}
     for family_set in args.sets:
+        if not (run_dir(args.out, family_set, "", 0) / "summary.json").exists():
+            continue                                 # not reached yet (the runs go set by set)
         base = per_task_rewards(records(run_dir(args.out, family_set, "", 0)))
         entry = {"B=0": {**vars(success_interval(base)), "seconds": seconds(run_dir(args.out, family_set, "", 0))}}
         for variant in args.variants:

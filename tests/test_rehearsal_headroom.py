@@ -16,7 +16,7 @@ def fake_run(folder, rewards, diag=None):
 
 
 def test_summary_pairs_every_budget_with_b0_of_its_family_set(tmp_path):
-    args = types.SimpleNamespace(out=tmp_path, sets=["costly"], variants=["model", "oracle"], budgets=[1],
+    args = types.SimpleNamespace(out=tmp_path, sets=["costly", "classic"], variants=["model", "oracle"], budgets=[1],
                                  limit=40, seed=0, model_label="ckpt")
     base = fake_run(rh.run_dir(tmp_path, "costly", "", 0), [1.0] * 20 + [0.0] * 20)
     model = fake_run(rh.run_dir(tmp_path, "costly", "model", 1), [1.0] * 18 + [0.0] * 22,
@@ -24,6 +24,7 @@ def test_summary_pairs_every_budget_with_b0_of_its_family_set(tmp_path):
     oracle = fake_run(rh.run_dir(tmp_path, "costly", "oracle", 1), [1.0] * 30 + [0.0] * 10)
     result = rh.summarize(args)
     entry = result["sets"]["costly"]
+    assert list(result["sets"]) == ["costly"]            # classic not run yet: left out, not an error
     assert entry["B=0"]["mean"] == 0.5 and entry["B=0"]["tasks"] == 40
     d = paired_difference(per_task_rewards(oracle), per_task_rewards(base))
     assert entry["oracle B=1"]["vs_B0"]["diff"] == d.diff == 0.25 and entry["oracle B=1"]["vs_B0"]["better"] == 10
