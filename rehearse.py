@@ -58,7 +58,11 @@ from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spa
 # A proposal without any call is an answer, not a rehearsal: if no proposal of the first round (parallel)
 # or the latest proposal (sequential) calls a tool, that proposal is committed as is (it was sampled from
 # the committed context, plus the memory so far in sequential mode). Budget 0 is plain acting, token for
-# token what Engine.run(responses="real") produces for the same seed.
+# token what Engine.run(responses="real") produces for the same seed. The first proposal of a turn samples
+# from the committed row's own stream (its rehearsal and assessment from one of their own), so where it is
+# committed the episode stays B=0's token for token: B vs B=0 differs only on the turns rehearsal changed
+# (with proposals from streams of their own, every rehearsed turn was a fresh draw, and the paired
+# difference carried that sampling noise on every task).
 #
 # Costs are counted per bucket: "act" (the committed row, the memory and the re-fed committed tokens),
 # "private" (proposals, rehearsals, assessments) and "fidelity" (the discarded world-model probes); a
@@ -660,6 +664,9 @@ class Rehearser:
         """A branch that proposes a turn, rehearses each call's response and assesses the outcome."""
         eng, fmt, cfg = self.eng, self.eng.fmt, self.cfg
         line = parent.fork(stream, derive_seed(cfg.seed, "private", turn, k), "private")
+        first = k == 0 and not memory
+        if first:      # the first proposal is the turn B=0 samples: the committed stream, so committing it
+            line.rng = parent.rng          # leaves the episode token for token as without rehearsal
         parent.record.setdefault("children", []).append(line)
         line.record = {"content": "", "raw": "", "items": [], "assessment": "", "terminated": False, "tokens": [],
                        "seen_memory": memory}
@@ -677,6 +684,8 @@ class Rehearser:
             ln.record["assessment"] = self._decode(gen_ids[:-1] if stopped else gen_ids).strip()
 
         def on_proposal(ln, stopped):
+            if first:                      # its rehearsal and assessment draw from a stream of their own
+                ln.rng = torch.Generator(device="cpu").manual_seed(derive_seed(cfg.seed, "private", turn, k))
             gen_ids = ln.ids[ln.gen_start:]
             ln.record["tokens"], ln.record["logprobs"] = list(gen_ids), list(ln.logprobs[ln.gen_start:])
             ln.record["terminated"] = stopped

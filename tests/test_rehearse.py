@@ -364,3 +364,16 @@ def test_the_prediction_judge_commits_a_proposal_unless_its_rehearsed_response_i
                          ("prediction", "fine"): 1, ("prediction", "error"): 0}
     with pytest.raises(ValueError, match="rehearsal judge"):
         RehearsalConfig(judge="coin")
+
+
+@pytest.mark.parametrize("mode,budget", [("parallel", 1), ("parallel", 2), ("sequential", 2)])
+def test_committing_the_first_proposal_leaves_the_episode_as_without_rehearsal(eng, micro64, mode, budget):
+    """The first proposal of a turn samples from the committed stream, so where it is what gets committed the
+    episode is B=0's token for token: B vs B=0 then differs only where rehearsal changed a turn."""
+    free = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=11)
+    for task in tasks(2):
+        ref = act(eng, task, free, EchoEnv(), RehearsalConfig(budget=0))
+        ep = act(eng, task, free, EchoEnv(), RehearsalConfig(budget=budget, mode=mode))
+        assert ep.rehearsals and not any(r["items"] for turn in ep.rehearsals for r in turn)   # none called a tool
+        assert torch.equal(ep.rollout.ids, ref.rollout.ids) and torch.equal(ep.rollout.roles, ref.rollout.roles)
+        torch.testing.assert_close(ep.rollout.logprobs, ref.rollout.logprobs, atol=1e-6, rtol=0)
