@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from intervals import wilson
+
 ROOT = Path(__file__).resolve().parent.parent
 
 ARMS = {"plain": [], "world": ["--sft-world-frac", "{frac}"],
@@ -198,6 +200,11 @@ def balance_chance(task, real: str) -> float:
     return sum(b == json.loads(real)["balance"] for b in balances) / len(balances)
 
 
+def wilson_interval(rate: dict) -> list[float]:
+    """The 95% Wilson interval of a probe's exact share (rate: calls, exact)."""
+    return [round(x, 4) for x in wilson(round(rate["exact"] * rate["calls"]), rate["calls"])]
+
+
 def measure(ckpt: Path, out: Path, probe_tasks, args) -> dict:
     """Held-out success and fidelity of one checkpoint: evaluate.py with the probe, then the fixed-call probes."""
     eval_cmd = [sys.executable, "evaluate.py", "--model", str(ckpt), "--limit", str(args.limit), "--fidelity",
@@ -245,19 +252,26 @@ def main(argv=None):
                     help="skip training and evaluation; add the fixed-call probes to the arms' existing results")
     ap.add_argument("--curve", default="", help="measure every checkpoint of this warm-start run folder instead")
     ap.add_argument("--lookup", nargs="+", default=[], metavar="CHECKPOINT",
-                    help="only the lookup probe (lookup_probe: get_balance, get_price) of these checkpoints, one JSON each")
+                    help="only the fixed-call probes of these checkpoints (lookup_probe: get_balance, get_price; "
+                         "write_probe: transfer, buy, lookup after write), one JSON each")
     args = ap.parse_args(argv)
     if args.lookup:
         from bench import toyworld
         tasks = toyworld.load_tasks("test", limit=args.limit)
         Path(args.results).mkdir(parents=True, exist_ok=True)
         for ckpt in args.lookup:
-            result = {"checkpoint": ckpt, "tasks_split": "test", **lookup_probe(ckpt, tasks)}
+            writes = {tool: {**r, "interval_95": wilson_interval(r)} for tool, r in write_probe(ckpt, tasks).items()
+                      if tool != "rows"}
+            result = {"checkpoint": ckpt, "tasks_split": "test", "tasks": len(tasks), **lookup_probe(ckpt, tasks),
+                      "writes": writes}
             name = "lookup-" + "-".join(Path(ckpt).parts[-3:]).replace("/", "-")
             (Path(args.results) / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-            print(ckpt + ": " + "; ".join(f"{tool} exact {r['exact']:.2f} (chance {r['chance']:.2f}), argument-blind "
-                                          f"on {r['argument_blind']:.0%} of {r['telling_tasks']} tasks"
-                                          for tool, r in result.items() if tool in LOOKUPS), flush=True)
+            print(ckpt + f" on {len(tasks)} test tables: " + "; ".join(
+                f"{tool} exact {r['exact']:.2f} (chance {r['chance']:.2f}), argument-blind "
+                f"on {r['argument_blind']:.0%} of {r['telling_tasks']} tasks"
+                for tool, r in result.items() if tool in LOOKUPS) + "; " + "; ".join(
+                f"{tool} exact {r['exact']:.3f} [{r['interval_95'][0]:.3f}, {r['interval_95'][1]:.3f}] of {r['calls']} calls"
+                for tool, r in writes.items()), flush=True)
         return
     if args.curve:
         from bench import toyworld
