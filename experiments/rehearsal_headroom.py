@@ -4,11 +4,11 @@
 
 For each family set (classic: the eight original families; costly: the strict ones, where an errored call or a
 wrong write fails the task) and each rehearsal variant (the world model's own rehearsals or the oracle's, judged
-by the policy's assessment or by the rehearsed response), evaluate.py runs once per budget on the same held-out
-tasks and seeds; B=0 once per family set, since it does not rehearse. Every (set, variant, budget) is its own
-evaluate.py folder under OUT/runs/, so a stopped run continues where it stopped. Then OUT/headroom.json holds
-each run's success with its 95% interval and every B vs B=0 paired difference (intervals.py), and OUT/table.md
-the same as a table.
+by the policy's assessment or by the rehearsed response, or condensed into the paper's memory), evaluate.py runs
+once per budget on the same held-out tasks and seeds; B=0 once per family set, since it does not rehearse. Every
+(set, variant, budget) is its own evaluate.py folder under OUT/runs/, so a stopped run continues where it stopped.
+Then OUT/headroom.json holds each run's success with its 95% interval and every B vs B=0 paired difference
+(intervals.py), and OUT/table.md the same as a table.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ VARIANTS = {
     "model, prediction judge": ["--world-model", "shared", "--rehearsal-judge", "prediction"],
     "oracle": ["--world-model", "oracle", "--rehearsal-judge", "assessment"],
     "oracle, prediction judge": ["--world-model", "oracle", "--rehearsal-judge", "prediction"],
+    # the paper's commit: every rehearsal condensed into one memory that conditions one committed turn
+    "model, memory commit": ["--world-model", "shared", "--rehearsal-commit", "memory"],
+    "oracle, memory commit": ["--world-model", "oracle", "--rehearsal-commit", "memory"],
 }
 
 
