@@ -55,9 +55,11 @@ from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spa
 # regenerates (the behaviour before, kept for comparison: it changed the committed call on about half the
 # rehearsed turns of the tiny model and halved its success at B=1).
 #
-# A proposal without any call is an answer, not a rehearsal: if no proposal of the first round (parallel)
-# or the latest proposal (sequential) calls a tool, that proposal is committed as is (it was sampled from
-# the committed context, plus the memory so far in sequential mode). Budget 0 is plain acting, token for
+# A proposal without any call is an answer, not a rehearsal: nothing of it can be rehearsed or fail in the
+# world, so "checked" treats it as passing. Parallel: the first proposal in order that is an answer or judged
+# ok is committed (an answer ahead of a checked call keeps B=0's answer; committing the call instead replaced
+# right answers with extra calls); "memory" commits an answer only when no proposal calls a tool. Sequential:
+# the latest proposal, if an answer, is committed as is (sampled from the committed context plus the memory). Budget 0 is plain acting, token for
 # token what Engine.run(responses="real") produces for the same seed. The first proposal of a turn samples
 # from the committed row's own stream (its rehearsal and assessment from one of their own), so where it is
 # committed the episode stays B=0's token for token: B vs B=0 differs only on the turns rehearsal changed
@@ -623,9 +625,12 @@ class Rehearser:
         self._count(records)
         if not any(r["items"] for r in records):     # no proposal calls a tool: commit the first answer as is
             return self._commit(row, records[0]["tokens"], records[0]["logprobs"])
-        checked = next((r for r in records if self._judged_ok(r)), None)
-        if checked is not None:                      # commit what was checked, token for token
-            return self._commit_checked(row, checked)
+        if self.rcfg.commit == "checked":            # the first proposal, in order, that is an answer (nothing
+            first = next((r for r in records if not r["items"] or self._judged_ok(r)), None)   # to rehearse)
+            if first is not None and not first["items"]:          # or was judged ok, token for token
+                return self._commit(row, first["tokens"], first["logprobs"])
+            if first is not None:
+                return self._commit_checked(row, first)
         row.spawn = self._commit_from_memory(memory_text(records, self.rcfg.memory_chars))
 
     def _after_sequential(self, row: Row, records: list[dict], turn: int):

@@ -377,3 +377,24 @@ def test_committing_the_first_proposal_leaves_the_episode_as_without_rehearsal(e
         assert ep.rehearsals and not any(r["items"] for turn in ep.rehearsals for r in turn)   # none called a tool
         assert torch.equal(ep.rollout.ids, ref.rollout.ids) and torch.equal(ep.rollout.roles, ref.rollout.roles)
         torch.testing.assert_close(ep.rollout.logprobs, ref.rollout.logprobs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("commit", ["checked", "memory"])
+def test_an_answer_ahead_of_a_checked_call_is_committed(eng, micro64, commit):
+    """Parallel "checked": the first proposal in order that is an answer or judged ok is committed; an answer
+    (nothing to rehearse) ahead of a checked call keeps the episode B=0's. "memory" regenerates instead."""
+    _, tok = micro64
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    # stream 1: the first proposal answers; stream 2: the second calls ping, its response fine
+    script = Script(tok, {0: [ANSWER], 1: [ANSWER], 2: [PING, ASSESS]}, {2: [SECRET]})
+    env = CountingEnv()
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=2, judge="prediction", commit=commit), steer=script)
+    first = ep.rehearsals[0]
+    assert [bool(r["items"]) for r in first] == [False, True]
+    assert env.calls == [] and ep.rollout.end_reasons == ["final_answer"]
+    assert ep.stats["committed_checked"] == 0
+    if commit == "checked":          # committed: the first proposal's own tokens, no memory regeneration
+        assert ep.stats["memory_tokens"] == 0
+        assert committed_text(ep, tok).endswith(tok.decode(first[0]["tokens"]))
+    else:
+        assert ep.stats["memory_tokens"] > 0
