@@ -10,6 +10,12 @@ the policy privately rehearses up to B calls before each committed turn (see reh
 `OUT/trajectories_B{B}_{mode}.jsonl` (one line per task and trial: readable text, calls, observations,
 score, rehearsals, fidelity, costs) and `OUT/summary.json`, and prints the summary table.
 
+Resumable: each finished (task, trial) is written as it ends, and `OUT/eval_config.json` records what decides
+the trajectories (model and its weight files, benchmark, tasks, sampling, limits, rehearsal settings). Rerunning
+the same command with the same --out skips what is done (every episode samples from its own task's seed, so
+the result does not depend on what ran beside it) and writes the summary an uninterrupted run writes; a rerun
+with another config into the same --out is refused (--overwrite starts over).
+
 Reported per benchmark and per category (task.metadata "family" / "category" / "domain"): success
 (Avg@k = pass^1, the mean reward over tasks and trials), pass^k (tau²'s pass_hat_k, local fallback: mean
 over tasks of C(c,k)/C(n,k), c = trials with reward 1), tool precision/recall/F1 where the score has them
@@ -126,7 +132,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV-cache rows, in GB; a batch holds at most budget / (max-total-len x KV bytes "
                         "per token x 2) rows and the rest wait (default: half the memory free at start)")
-    p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT)")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/BENCH-SPLIT); a rerun with the "
+                   "same flags resumes what it holds")
+    p.add_argument("--overwrite", action="store_true", help="discard what --out holds and start over")
     p.add_argument("--device", default="auto")
     return p
 
@@ -352,9 +360,85 @@ def reference_calls(mod, task) -> list[dict] | None:
     return None if calls is None else [{"name": c.name, "arguments": dict(c.arguments)} for c in calls(task)]
 
 
+# ----------------------------------------------------------------------------------------------------------
+# resuming a stopped evaluation
+
+EVAL_CONFIG = "eval_config.json"
+
+
+def weight_files(model_name: str) -> list:
+    """(name, bytes, mtime_ns) of the model's weight files: a retrained checkpoint at the same path differs."""
+    path = policy.resolve_model_path(model_name) if model_name in policy.TINY_NAMES else Path(model_name)
+    files = [path] if path.is_file() else sorted(
+        f for f in path.glob("*") if f.suffix in (".safetensors", ".bin", ".gguf", ".pt") and f.is_file())
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def eval_identity(args, model_name: str, tasks, fidelity_on: bool, world: str) -> dict:
+    """Everything that decides the trajectories of an evaluation (budgets aside: one JSONL each)."""
+    return {"bench": args.bench, "split": args.split, "model": model_name, "weights": weight_files(model_name),
+            "chat_template": args.chat_template, "chat_template_kwargs": args.chat_template_kwargs,
+            "tool_call_format": args.tool_call_format, "task_opts": args.task_opts,
+            "tasks": [t.id for t in tasks], "num_trials": args.num_trials, "seed": args.seed,
+            "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
+            "limits": {k: getattr(args, k) for k in settings.LIMIT_FIELDS},
+            "rehearsal": {"mode": args.rehearsal_mode, "commit": args.rehearsal_commit,
+                          "judge": args.rehearsal_judge, "world_model": world},
+            "fidelity": fidelity_on, "user_model": args.user_model}
+
+
+def prepare_out(out: Path, identity: dict, overwrite: bool) -> str | None:
+    """Make `out` hold this evaluation: new, resumed (same identity) or, with overwrite, emptied of an old one.
+    Returns None, or the one-line reason a resume is refused."""
+    config = out / EVAL_CONFIG
+    old_files = sorted(out.glob("trajectories_*.jsonl"))
+    if overwrite:
+        for f in [*old_files, out / "summary.json", config]:
+            f.unlink(missing_ok=True)
+    elif any(f.stat().st_size for f in old_files) and config.exists():     # something to resume or to lose
+        try:
+            old = json.loads(config.read_text())
+        except ValueError:
+            return f"--out {out}: {EVAL_CONFIG} is unreadable; pass --overwrite to start over"
+        changed = [k for k in identity if old.get(k) != identity[k]]
+        if changed:
+            return (f"--out {out} holds an evaluation with another {', '.join(changed)}; rerun it with the same "
+                    "flags to resume, or pass --overwrite or another --out")
+    elif any(f.stat().st_size for f in old_files):
+        return f"--out {out} holds trajectories without {EVAL_CONFIG}; pass --overwrite or another --out"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = config.with_suffix(".tmp")
+    tmp.write_text(json.dumps(identity, indent=1) + "\n")
+    tmp.replace(config)
+    return None
+
+
+def finished_records(path: Path) -> dict:
+    """(task_id, trial) -> record of the trajectories a stopped run wrote to path; a torn last line (the run
+    was killed mid-write) is cut off the file, so appending continues it."""
+    if not path.exists():
+        return {}
+    done, keep = {}, 0
+    raw = path.read_bytes()
+    for line in raw.splitlines(keepends=True):
+        try:
+            rec = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            rec = None
+        if rec is None:
+            break
+        done[rec["task_id"], rec["trial"]] = rec
+        keep += len(line)
+    if keep < len(raw):
+        with open(path, "r+b") as fh:
+            fh.truncate(keep)
+    return done
+
+
 def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     """Every (task, trial) at rehearsal budget `budget` on the real environment (rehearse.act_many), scored by
-    the benchmark; writes one JSONL line per trajectory to out_path and returns the records."""
+    the benchmark; writes one JSONL line per trajectory to out_path as it ends and returns the records in task
+    order. Trajectories already in out_path (a stopped run of the same config) are kept, not rerun."""
     oracle = getattr(args, "world_model", "") == "oracle"
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
                                     commit=getattr(args, "rehearsal_commit", "checked"),
@@ -375,10 +459,17 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
                                  max_turns=args.max_turns, max_total_len=args.max_total_len, seed=seed)
             specs.append(rehearse.EpisodeSpec(task, cfg, make_env=make_env))
             keys.append((trial, seed))
-    records: list = [None] * len(specs)
-    bar = tqdm(total=len(specs), desc=f"{mod.NAME} B={budget}", unit="traj", file=sys.stderr)
-    with open(out_path, "w") as fh:
-        def done(k, ep):                # written as each episode ends, so a stopped run keeps what it has
+    finished = finished_records(out_path)
+    records: list = [finished.get((spec.task.id, trial)) for spec, (trial, _) in zip(specs, keys)]
+    todo = [k for k, rec in enumerate(records) if rec is None]
+    if len(todo) < len(specs):
+        print(f"B={budget}: resuming, {len(specs) - len(todo)} of {len(specs)} trajectories already in "
+              f"{out_path.name}", file=sys.stderr)
+    bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc=f"{mod.NAME} B={budget}", unit="traj",
+               file=sys.stderr)
+    with open(out_path, "a") as fh:
+        def done(j, ep):                # written as each episode ends, so a stopped run keeps what it has
+            k = todo[j]
             task, (trial, seed) = specs[k].task, keys[k]
             traj = ep.trajectory
             score = mod.score(task, traj)
@@ -404,7 +495,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             records[k] = rec
             bar.update(1)
 
-        rehearse.act_many(eng, specs, rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine,
+        rehearse.act_many(eng, [specs[k] for k in todo], rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine,
                           memory_budget=budget_bytes(args), oracle_env=mod.make_env if oracle else None)
     bar.close()
     return records
@@ -463,6 +554,21 @@ def main(argv=None) -> int:
         parser.error(f"--device {device} was asked for but CUDA is not available here; use --device cpu or auto")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model_name = resolve_model(args.model)
+    world = args.world_model
+    saved_world = Path(model_name) / "world_model"
+    if world == "separate" and not (saved_world / "config.json").exists():
+        parser.error(f"--world-model separate: {model_name} has no world_model/ folder (written by train.py "
+                     "--world-model separate); use shared or a folder")
+    if world in ("auto", "separate"):
+        world = str(saved_world) if (saved_world / "config.json").exists() else "shared"
+    fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
+    out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")
+    try:                         # before loading anything: a refused resume costs nothing
+        refused = prepare_out(out, eval_identity(args, model_name, tasks, fidelity_on, world), args.overwrite)
+    except policy.PolicyLoadError as exc:
+        parser.error(str(exc))
+    if refused:
+        parser.error(refused)
     try:
         eng = load_engine(model_name, args.chat_template, args.chat_template_kwargs, args.tool_call_format,
                           dtype=dtype, device=device)
@@ -471,13 +577,6 @@ def main(argv=None) -> int:
         parser.error(str(exc))
 
     args.world_engine = None     # the world model's module (None: the policy writes WORLD segments)
-    world = args.world_model
-    saved_world = Path(model_name) / "world_model"
-    if world == "separate" and not (saved_world / "config.json").exists():
-        parser.error(f"--world-model separate: {model_name} has no world_model/ folder (written by train.py "
-                     "--world-model separate); use shared or a folder")
-    if world in ("auto", "separate"):
-        world = str(saved_world) if (saved_world / "config.json").exists() else "shared"
     if world == "oracle":
         print("world model: oracle, the real environment answers the rehearsed calls", file=sys.stderr)
     elif world != "shared":
@@ -497,9 +596,6 @@ def main(argv=None) -> int:
         except (policy.PolicyLoadError, TemplateError) as exc:
             parser.error(f"--user-model: {exc}")
     budgets = args.compare or [args.rehearsal_budget]
-    fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
-    out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")
-    out.mkdir(parents=True, exist_ok=True)
     runs, records_by_run, t0 = {}, {}, time.perf_counter()
     for b in budgets:
         path = out / f"trajectories_B{b}_{args.rehearsal_mode}.jsonl"

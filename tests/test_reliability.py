@@ -527,6 +527,84 @@ def test_sigkill_at_random_points_then_resume_matches_the_uninterrupted_run(micr
     print(f"\ncrash safety: {kills} SIGKILLs (latest checkpoint after each: {killed_at}), resumed to step {total}, params and metrics equal the uninterrupted run")
 
 
+# Evaluation crash safety: SIGKILL at random moments, rerun the same command, compare with an uninterrupted run
+
+def eval_argv(micro_path, out, extra=()):
+    return [sys.executable, "evaluate.py", "--model", str(micro_path), "--limit", "16", "--compare", "0,1",
+            "--max-new-tokens", "16", "--max-world-tokens", "8", "--max-turns", "3", "--max-rows", "3",
+            "--out", str(out), *extra]
+
+
+def without_timings(x):
+    """A record or summary with its wall-clock fields dropped (the rest is decided by the seeds)."""
+    if isinstance(x, dict):
+        return {k: without_timings(v) for k, v in x.items()
+                if "second" not in k and k not in ("tokens_per_s", "batch_rows")}
+    if isinstance(x, list):
+        return [without_timings(v) for v in x]
+    return x
+
+
+def eval_records(out):
+    recs = {}
+    for f in sorted(Path(out).glob("trajectories_*.jsonl")):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)                    # a torn line fails here
+            key = (f.name, rec["task_id"], rec["trial"])
+            assert key not in recs, f"{key} written twice"
+            recs[key] = without_timings(rec)
+    return recs
+
+
+def test_evaluation_killed_at_random_moments_resumes_to_the_uninterrupted_result(micro_path, tmp_path):
+    full, run = tmp_path / "full", tmp_path / "killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    assert subprocess.run(eval_argv(micro_path, full), cwd=ROOT, env=env, capture_output=True,
+                          timeout=300).returncode == 0
+    r, kills = random.Random(7), 0
+    for _ in range(12):
+        before = sum(len(f.read_text().splitlines()) for f in run.glob("trajectories_*.jsonl"))
+        proc = subprocess.Popen(eval_argv(micro_path, run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        t0 = time.time()           # let it write at least one new trajectory, then kill at a random moment
+        while proc.poll() is None and time.time() - t0 < 120 and sum(
+                len(f.read_text().splitlines()) for f in run.glob("trajectories_*.jsonl")) <= before:
+            time.sleep(0.02)
+        time.sleep(r.uniform(0.0, 0.3))
+        if proc.poll() is not None:
+            break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        eval_records(run)          # whatever a kill left is whole lines, each (task, trial) once
+        if kills == 3:
+            break
+    res = subprocess.run(eval_argv(micro_path, run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert kills >= 2
+    a, b = eval_records(full), eval_records(run)
+    assert sorted(a) == sorted(b) and len(a) == 32
+    for key in a:
+        assert a[key] == b[key], key
+    sa, sb = (without_timings(json.loads((d / "summary.json").read_text())) for d in (full, run))
+    assert sa == sb
+    # a changed config on the same --out is refused in one line, and loses nothing
+    res = subprocess.run(eval_argv(micro_path, run, ["--seed", "1"]), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "another seed" in res.stderr, res.stderr
+    assert eval_records(run) == b
+
+
+def test_a_torn_last_trajectory_line_is_cut_and_the_rest_kept(tmp_path):
+    import evaluate
+    path = tmp_path / "trajectories_B0_parallel.jsonl"
+    whole = [json.dumps({"task_id": f"t{i}", "trial": 0, "reward": i}) + "\n" for i in range(3)]
+    path.write_text("".join(whole) + '{"task_id": "t3", "tri')
+    done = evaluate.finished_records(path)
+    assert sorted(done) == [("t0", 0), ("t1", 0), ("t2", 0)] and path.read_text() == "".join(whole)
+    assert evaluate.finished_records(tmp_path / "none.jsonl") == {}
+
+
 def test_metrics_log_on_resume_keeps_only_steps_the_checkpoint_holds(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(5)) + '{"step": 5, "lo')
