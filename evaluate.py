@@ -387,30 +387,37 @@ def eval_identity(args, model_name: str, tasks, fidelity_on: bool, world: str) -
             "fidelity": fidelity_on, "user_model": args.user_model}
 
 
-def prepare_out(out: Path, identity: dict, overwrite: bool) -> str | None:
-    """Make `out` hold this evaluation: new, resumed (same identity) or, with overwrite, emptied of an old one.
-    Returns None, or the one-line reason a resume is refused."""
+def refuse_out(out: Path, identity: dict, overwrite: bool) -> str | None:
+    """The one-line reason `out` cannot hold this evaluation (another config's trajectories), or None when it is
+    new, a resume of the same identity, or is to be overwritten. Writes nothing."""
     config = out / EVAL_CONFIG
-    old_files = sorted(out.glob("trajectories_*.jsonl"))
-    if overwrite:
-        for f in [*old_files, out / "summary.json", config]:
-            f.unlink(missing_ok=True)
-    elif any(f.stat().st_size for f in old_files) and config.exists():     # something to resume or to lose
-        try:
-            old = json.loads(config.read_text())
-        except ValueError:
-            return f"--out {out}: {EVAL_CONFIG} is unreadable; pass --overwrite to start over"
-        changed = [k for k in identity if old.get(k) != identity[k]]
-        if changed:
-            return (f"--out {out} holds an evaluation with another {', '.join(changed)}; rerun it with the same "
-                    "flags to resume, or pass --overwrite or another --out")
-    elif any(f.stat().st_size for f in old_files):
+    old_files = [f for f in out.glob("trajectories_*.jsonl") if f.stat().st_size]
+    if overwrite or not old_files:
+        return None
+    if not config.exists():
         return f"--out {out} holds trajectories without {EVAL_CONFIG}; pass --overwrite or another --out"
+    try:
+        old = json.loads(config.read_text())
+    except ValueError:
+        return f"--out {out}: {EVAL_CONFIG} is unreadable; pass --overwrite to start over"
+    changed = [k for k in identity if old.get(k) != identity[k]]
+    if changed:
+        return (f"--out {out} holds an evaluation with another {', '.join(changed)}; rerun it with the same "
+                "flags to resume, or pass --overwrite or another --out")
+    return None
+
+
+def claim_out(out: Path, identity: dict, overwrite: bool) -> None:
+    """Make `out` hold this evaluation (after the models loaded, so a broken model touches nothing): with
+    overwrite, an old evaluation's files go; the identity is written atomically."""
+    config = out / EVAL_CONFIG
+    if overwrite:
+        for f in [*out.glob("trajectories_*.jsonl"), out / "summary.json", config]:
+            f.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     tmp = config.with_suffix(".tmp")
     tmp.write_text(json.dumps(identity, indent=1) + "\n")
     tmp.replace(config)
-    return None
 
 
 def finished_records(path: Path) -> dict:
@@ -564,9 +571,10 @@ def main(argv=None) -> int:
     fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
     out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")
     try:                         # before loading anything: a refused resume costs nothing
-        refused = prepare_out(out, eval_identity(args, model_name, tasks, fidelity_on, world), args.overwrite)
+        identity = eval_identity(args, model_name, tasks, fidelity_on, world)
     except policy.PolicyLoadError as exc:
         parser.error(str(exc))
+    refused = refuse_out(out, identity, args.overwrite)
     if refused:
         parser.error(refused)
     try:
@@ -595,6 +603,7 @@ def main(argv=None) -> int:
             args.user_engine.model.eval()
         except (policy.PolicyLoadError, TemplateError) as exc:
             parser.error(f"--user-model: {exc}")
+    claim_out(out, identity, args.overwrite)
     budgets = args.compare or [args.rehearsal_budget]
     runs, records_by_run, t0 = {}, {}, time.perf_counter()
     for b in budgets:
