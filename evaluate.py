@@ -102,12 +102,13 @@ def build_parser() -> OneLineParser:
     p.add_argument("--rehearsal-budget", type=int_at_least(0), default=0)
     p.add_argument("--rehearsal-mode", choices=["parallel", "sequential"], default="parallel")
     p.add_argument("--rehearsal-commit", choices=["checked", "memory"], default="checked",
-                   help="what a rehearsed turn commits: checked (the first proposal whose self-assessment says ok, "
+                   help="what a rehearsed turn commits: checked (the first proposal judged ok (--rehearsal-judge), "
                         "token for token; a turn regenerated under the rehearsal memory only when none does) or "
                         "memory (always the regenerated turn)")
-    p.add_argument("--rehearsal-judge", choices=["assessment", "prediction"], default="assessment",
+    p.add_argument("--rehearsal-judge", choices=["assessment", "prediction"], default="prediction",
                    help="what decides that a rehearsed proposal is committed (--rehearsal-commit checked): the "
-                        "policy's assessment saying ok, or the rehearsed responses holding no error")
+                        "rehearsed responses holding no error (default), or the policy's assessment saying ok "
+                        "(measured to hurt: it calls right proposals wrong)")
     p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
                    help="run these budgets on the same tasks and seeds and print them side by side")
     p.add_argument("--temperature", type=float, default=0.6)
@@ -449,7 +450,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     oracle = getattr(args, "world_model", "") == "oracle"
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
                                     commit=getattr(args, "rehearsal_commit", "checked"),
-                                    judge=getattr(args, "rehearsal_judge", "assessment"),
+                                    judge=getattr(args, "rehearsal_judge", "prediction"),
                                     world="oracle" if oracle else "model")
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
     user_eng = getattr(args, "user_engine", None) or eng

@@ -49,8 +49,8 @@ from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spa
 # environment executes only committed calls, and user_turn sees only the committed turn's text.
 # (The committed tokens' recorded log-probs are those under the memory-conditioned context.)
 #
-# What is committed (RehearsalConfig.commit): "checked" (the default) commits the first proposal whose
-# assessment says ok, its own tokens (parallel: the first such of the round; sequential: the rounds stop at
+# What is committed (RehearsalConfig.commit): "checked" (the default) commits the first proposal judged ok
+# (RehearsalConfig.judge), its own tokens (parallel: the first such of the round; sequential: the rounds stop at
 # the first ok), and regenerates under the memory only when every proposal is judged to fail; "memory" always
 # regenerates (the behaviour before, kept for comparison: it changed the committed call on about half the
 # rehearsed turns of the tiny model and halved its success at B=1).
@@ -91,11 +91,11 @@ class RehearsalConfig:
     max_assess_tokens: int = 48
     memory_chars: int = 240         # each predicted response / assessment is cut to this many characters
     fidelity: bool = False          # probe the world model on every real call (a discarded WORLD branch)
-    commit: str = "checked"         # checked: commit the first proposal whose assessment says ok, token for
+    commit: str = "checked"         # checked: commit the first proposal judged ok (judge), token for
                                     # token; regenerate under the memory only when none does. memory: always
                                     # regenerate under the memory
-    judge: str = "assessment"       # "checked"'s test: the assessment says ok | the rehearsed responses hold
-                                    # no error (the world model's prediction alone; the assessment is ignored)
+    judge: str = "prediction"       # "checked"'s test: the rehearsed responses hold no error (the world model's
+                                    # prediction alone) | "assessment": the policy's own assessment says ok
     world: str = "model"            # oracle: a real environment, rebuilt to the committed state, answers the
                                     # rehearsed calls instead of the world model (needs act_many's oracle_env)
 
@@ -648,8 +648,8 @@ class Rehearser:
         row.spawn = self._commit_from_memory(memory_text(records, self.rcfg.memory_chars))
 
     def _judged_ok(self, record: dict) -> bool:
-        """A proposal that called a tool, ended on its own, and whose assessment says ok (commit "checked"; judge
-        "prediction": none of its calls is malformed and no rehearsed response is an error)."""
+        """A proposal that called a tool, ended on its own and is judged ok (commit "checked"): judge "prediction",
+        none of its calls is malformed and no rehearsed response is an error; "assessment", its assessment says ok."""
         if not (self.rcfg.commit == "checked" and bool(record["items"]) and record["terminated"]):
             return False
         if self.rcfg.judge == "prediction":

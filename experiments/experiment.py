@@ -156,7 +156,7 @@ def train_command(arm: str, seed: int, run_dir: Path, args) -> list[str] | None:
     return ["train.py", "--model", args.warm_start, "--out", rel(run_dir), "--overwrite", "--seed", str(seed),
             "--sft-steps", "0", "--steps", str(args.steps), "--lr", str(args.lr),
             "--tasks-per-step", str(args.tasks_per_step), "--group-size", str(args.group_size),
-            "--save-every", str(args.save_every), *ARMS[arm].flags]
+            "--save-every", str(args.save_every), *task_opts_flag(args.task_opts), *ARMS[arm].flags]
 
 
 def eval_labels(args) -> list[str]:
@@ -164,13 +164,18 @@ def eval_labels(args) -> list[str]:
     return [f"B={b}" for b in args.budgets] + [f"seq B={b}" for b in args.seq_budgets]
 
 
-def eval_command(label: str, ckpt: str, seed: int, out: Path, limit: int) -> list[str]:
+def task_opts_flag(opts: str) -> list[str]:
+    """["--task-opts", opts] for train.py and evaluate.py, [] without options."""
+    return ["--task-opts", opts] if opts else []
+
+
+def eval_command(label: str, ckpt: str, seed: int, out: Path, limit: int, task_opts: str = "") -> list[str]:
     """One budget, one folder: a piece can gain budgets later without redoing the ones it has. B=0 carries
     the fidelity probe (every real call also rehearsed in a discarded fork), which needs no rehearsal budget."""
     budget = int(label.split("=")[1])
     mode = "sequential" if label.startswith("seq") else "parallel"
     cmd = ["evaluate.py", "--model", ckpt, "--limit", str(limit), "--seed", str(seed),
-           "--rehearsal-budget", str(budget), "--rehearsal-mode", mode, "--out", rel(out)]
+           "--rehearsal-budget", str(budget), "--rehearsal-mode", mode, "--out", rel(out), *task_opts_flag(task_opts)]
     world = ROOT / ckpt / "world_model"            # per-role: the trained world model writes the rehearsals
     if world.is_dir():
         cmd += ["--world-model", rel(world)]
@@ -235,15 +240,18 @@ def run_piece(name: str, arm: str, seed: int, args, piece: dict | None = None) -
                  "warm_start_config": warm_start_config(args.warm_start),
                  "checkpoint": ckpt, "grpo_steps": steps, "lr": args.lr, "tasks_per_step": args.tasks_per_step,
                  "group_size": args.group_size, "eval_tasks": args.limit, "eval_seed": seed,
+                 "task_opts": args.task_opts, "eval_task_opts": args.eval_task_opts,
                  "host": args.host, "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
                  "training_curve": curve, "held_out": {}}
-    eval_dir = run_dir / f"eval-{Path(piece['checkpoint']).name}"   # by checkpoint: a continued run is re-evaluated
+    # by checkpoint (a continued run is re-evaluated) and task set (one trained run, several held-out sets)
+    eval_set = "-" + "".join(c if c.isalnum() else "_" for c in args.eval_task_opts) if args.eval_task_opts else ""
+    eval_dir = run_dir / f"eval-{Path(piece['checkpoint']).name}{eval_set}"
     for label in eval_labels(args):
         if label in piece["held_out"]:
             continue
         out = eval_dir / label.replace(" ", "-").replace("=", "")
         if not (out / "summary.json").exists():
-            run_logged(eval_command(label, piece["checkpoint"], seed, out, piece["eval_tasks"]),
+            run_logged(eval_command(label, piece["checkpoint"], seed, out, piece["eval_tasks"], args.eval_task_opts),
                        args.runs / f"{name}.eval-{out.name}.log", ledger)
         piece["held_out"][label], diagnostics = held_out_result(out)
         if diagnostics:
@@ -688,7 +696,11 @@ def parse_args(argv=None):
     ap.add_argument("--tasks-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--save-every", type=int, default=10, help="checkpoint interval: a stopped piece loses less")
-    ap.add_argument("--limit", type=int, default=32, help="held-out test tasks evaluated")
+    ap.add_argument("--limit", type=int, default=256, help="held-out test tasks evaluated")
+    ap.add_argument("--task-opts", default="", help="the toy world's load_tasks options for training and, unless "
+                    "--eval-task-opts, evaluation (e.g. families=all)")
+    ap.add_argument("--eval-task-opts", default=None, help="load_tasks options of the held-out set (e.g. "
+                    "families=costly): a second --results folder over the same trained runs")
     ap.add_argument("--budgets", default="0,1,2,4", help="parallel rehearsal budgets evaluated (a piece written "
                     "with fewer gains the missing ones on a later run)")
     ap.add_argument("--seq-budgets", default="2", help="sequential rehearsal budgets evaluated ('' for none)")
@@ -713,6 +725,8 @@ def parse_args(argv=None):
         if not (ROOT / args.warm_start / "config.json").is_file():
             ap.error(f"--warm-start {args.warm_start} is not a model folder (no config.json)")
     args.runs, args.results = Path(args.runs).resolve(), Path(args.results).resolve()
+    if args.eval_task_opts is None:
+        args.eval_task_opts = args.task_opts
     return args
 
 

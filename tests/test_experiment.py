@@ -346,3 +346,19 @@ def test_the_report_sets_an_earlier_experiment_beside_this_one(tmp_path):
     assert row(beside, "envace")[1] == "0.400 → 0.700" and row(beside, "frozen-sim")[1] == "0.150 → 0.300"
     assert row(beside, "envace")[-1] == "0.600 → 0.600"          # get_price held-out fidelity, both means
     assert "| per-role |" not in beside                           # only arms both experiments ran
+
+
+def test_task_options_reach_training_and_the_held_out_set_of_their_own(tmp_path):
+    cmd = experiment.eval_command("B=1", str(tmp_path), 0, tmp_path / "o", 8, "families=costly")
+    assert cmd[cmd.index("--task-opts") + 1] == "families=costly"
+    assert "--task-opts" not in experiment.eval_command("B=1", str(tmp_path), 0, tmp_path / "o", 8)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "config.json").write_text("{}")
+    args = experiment.parse_args(["--warm-start", str(ws), "--task-opts", "families=all", "--runs", str(tmp_path)])
+    assert args.eval_task_opts == "families=all" and args.limit == 256
+    train = experiment.train_command("envace", 0, tmp_path / "envace-s0", args)
+    assert train[train.index("--task-opts") + 1] == "families=all"
+    args = experiment.parse_args(["--warm-start", str(ws), "--task-opts", "families=all",
+                                  "--eval-task-opts", "families=classic"])
+    assert args.task_opts == "families=all" and args.eval_task_opts == "families=classic"

@@ -206,13 +206,13 @@ PREDICTED = ['{"balance": 3}\n</tool_response>']
 ANSWER = ["hal has 14"]
 
 
-def run_scripted(eng, tok, mode, private, committed, n_world, commit="memory"):
+def run_scripted(eng, tok, mode, private, committed, n_world, commit="memory", judge="assessment"):
     task = balance_task()
     script = Script(tok, {0: committed, 1: private}, {1: [PREDICTED] * n_world})
     env = toyworld.make_env(task)
     ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), env,
-             RehearsalConfig(budget=len(private) // 2 if mode == "sequential" else 1, mode=mode, commit=commit),
-             steer=script)
+             RehearsalConfig(budget=len(private) // 2 if mode == "sequential" else 1, mode=mode, commit=commit,
+                             judge=judge), steer=script)
     turns = rehearsal_diagnostics(task, ep.trajectory, ep.rehearsals, toyworld.make_env, eng.fmt,
                                   reference_calls(toyworld, task))
     return ep, env, turns

@@ -90,7 +90,7 @@ def test_rehearsals_are_private_and_env_runs_each_committed_call_once(eng, micro
     env = CountingEnv()
     script = Script(tok, act_script, world_script)
     cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
-    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=budget, mode=mode), steer=script)
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(judge="assessment", budget=budget, mode=mode), steer=script)
     traj = ep.trajectory
     assert ep.rollout.end_reasons == ["final_answer"]
     assert [c.name for c in traj.calls] == ["lookup"] and traj.rehearsed == [False]
@@ -121,7 +121,7 @@ def test_budget_bounds_private_rehearsals(eng, micro64, mode, budget):
                     {s: [SECRET] * 12 for s in streams})
     cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
     env = CountingEnv()
-    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(budget=budget, mode=mode), steer=script)
+    ep = act(eng, tasks(1)[0], cfg, env, RehearsalConfig(judge="assessment", budget=budget, mode=mode), steer=script)
     assert len(ep.rehearsals) == ep.stats["committed_turns"] == 2
     assert all(len(turn) == budget for turn in ep.rehearsals)
     world_segments = sum(v for (s, role), v in script.segment_no.items() if role == "WORLD")
@@ -138,7 +138,7 @@ def test_crop_and_refeed_leave_an_exact_cache(eng, micro64):
     private = [PING, ASSESS, ANSWER]
     script = Script(tok, {0: [LOOKUP], 1: private, 2: private}, {1: [SECRET], 2: [SECRET]})
     cfg = SamplingConfig(temperature=0.9, max_new_tokens=80, seed=2)
-    ep = act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(budget=2), steer=script)
+    ep = act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(judge="assessment", budget=2), steer=script)
     r = ep.rollout
     n = int(r.lengths[0])
     ids = r.ids[0, :n]
@@ -238,7 +238,7 @@ def test_warm_start_examples_are_laid_out_as_test_time_rehearsal(eng, micro64, s
     script = Script(tok, {0: [[committed[:-1]], ["done"]], 1: [[proposal[:-1]], [assessment[:-1]]]},
                     {1: [[world]]})
     ep = act(eng, task, SamplingConfig(greedy=True, max_new_tokens=80, seed=0), toyworld.make_env(task),
-             RehearsalConfig(budget=1, mode="sequential", commit="memory"), steer=script)
+             RehearsalConfig(judge="assessment", budget=1, mode="sequential", commit="memory"), steer=script)
     assert ep.stats["rehearsals"] >= 1
     # every private row's whole token sequence, as it ended: the branch, then the memory-prefixed committed turn
     assert ep.private_contexts[0] == assess_ex[0]
@@ -319,7 +319,7 @@ def test_self_memory_predicts_what_test_time_rehearsal_writes(eng, micro64):
                                                             sampling=cfg)
         proposal = _spans(*assess_ex, Role.ACT)[0]
         script = Script(tok, {0: [["done"]], 1: [[proposal[:-1]], ["fine"]]})   # WORLD left to the model
-        ep = act(eng, task, cfg, toyworld.make_env(task), RehearsalConfig(budget=1, mode="sequential"),
+        ep = act(eng, task, cfg, toyworld.make_env(task), RehearsalConfig(judge="assessment", budget=1, mode="sequential"),
                  steer=script)
         rehearsed = ep.rehearsals[0][0]["items"][0]["predicted"]
         (_, predicted, _), = memory_lines(tok, memory_ex)
@@ -336,8 +336,8 @@ def test_the_oracle_world_answers_rehearsals_with_the_real_response_of_the_commi
     env = CountingEnv()
     spec = rehearse.EpisodeSpec(tasks(1)[0], cfg, env)
     with pytest.raises(ValueError, match="oracle_env"):
-        rehearse.act_many(eng, [spec], RehearsalConfig(budget=1, world="oracle"), steer=script)
-    (ep,) = rehearse.act_many(eng, [spec], RehearsalConfig(budget=1, world="oracle"), steer=script,
+        rehearse.act_many(eng, [spec], RehearsalConfig(judge="assessment", budget=1, world="oracle"), steer=script)
+    (ep,) = rehearse.act_many(eng, [spec], RehearsalConfig(judge="assessment", budget=1, world="oracle"), steer=script,
                               oracle_env=lambda task: EchoEnv())
     first, second = (turn[0]["items"][0] for turn in ep.rehearsals)
     assert first["oracle"] and json.loads(first["predicted"]) == {"tool": "ping", "args": {}, "n": 1}
@@ -364,6 +364,10 @@ def test_the_prediction_judge_commits_a_proposal_unless_its_rehearsed_response_i
                          ("prediction", "fine"): 1, ("prediction", "error"): 0}
     with pytest.raises(ValueError, match="rehearsal judge"):
         RehearsalConfig(judge="coin")
+    # the default everywhere: the self-assessment judge was measured to lower success (docs/rehearsal.md)
+    import evaluate
+    assert RehearsalConfig().judge == "prediction"
+    assert evaluate.build_parser().parse_args([]).rehearsal_judge == "prediction"
 
 
 @pytest.mark.parametrize("mode,budget", [("parallel", 1), ("parallel", 2), ("sequential", 2)])
@@ -373,7 +377,7 @@ def test_committing_the_first_proposal_leaves_the_episode_as_without_rehearsal(e
     free = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=11)
     for task in tasks(2):
         ref = act(eng, task, free, EchoEnv(), RehearsalConfig(budget=0))
-        ep = act(eng, task, free, EchoEnv(), RehearsalConfig(budget=budget, mode=mode))
+        ep = act(eng, task, free, EchoEnv(), RehearsalConfig(judge="assessment", budget=budget, mode=mode))
         assert ep.rehearsals and not any(r["items"] for turn in ep.rehearsals for r in turn)   # none called a tool
         assert torch.equal(ep.rollout.ids, ref.rollout.ids) and torch.equal(ep.rollout.roles, ref.rollout.roles)
         torch.testing.assert_close(ep.rollout.logprobs, ref.rollout.logprobs, atol=1e-6, rtol=0)
