@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 import policy
 import rehearse
+import rollout
 from bench import BENCHES, BenchUnavailable, load_bench, optional, settings
 from intervals import paired_difference, per_task_rewards, success_interval
 from chat_format import TemplateError
@@ -115,6 +116,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--protocol", choices=list(settings.PROTOCOLS), default="official",
+                   help="official (default): episodes end where the benchmark's official harness ends them (tau2: "
+                        "its 200 steps and 10 errors; BFCL: 20 steps per user turn, no episode cap) with the "
+                        "model's own context; paper: the paper's and training's limits (30 turns, 16k/32k tokens). "
+                        "The same under both for toyworld, vita, finmcp (bench/settings.py)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=None,
                    help="tokens per assistant turn (default: per benchmark, bench/settings.py)")
     p.add_argument("--max-world-tokens", type=int_at_least(1), default=None,
@@ -382,7 +388,7 @@ def eval_identity(args, model_name: str, tasks, fidelity_on: bool, world: str) -
             "tool_call_format": args.tool_call_format, "task_opts": args.task_opts,
             "tasks": [t.id for t in tasks], "num_trials": args.num_trials, "seed": args.seed,
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
-            "limits": {k: getattr(args, k) for k in settings.LIMIT_FIELDS},
+            "protocol": args.protocol, "limits": {k: getattr(args, k) for k in settings.LIMIT_FIELDS},
             "rehearsal": {"mode": args.rehearsal_mode, "commit": args.rehearsal_commit,
                           "judge": args.rehearsal_judge, "world_model": world},
             "fidelity": fidelity_on, "user_model": args.user_model}
@@ -509,16 +515,42 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     return records
 
 
+def limits_text(args) -> str:
+    """The episode limits in force, as the summary line prints them."""
+    turns = "no turn cap" if args.max_turns >= settings.NO_EPISODE_CAP else f"{args.max_turns} turns"
+    extra = ""
+    if args.bench == "tau2":
+        max_steps, max_errors = (args.task_opts.get(k, getattr(settings.settings_for("tau2"), k))
+                                 for k in ("max_steps", "max_errors"))
+        extra = f", max_steps {max_steps}, max_errors {max_errors}"
+    return f"{turns}, {args.max_total_len} tokens{extra}"
+
+
 def budget_bytes(args) -> int | None:
     """--memory-budget in bytes (None: the engine's default, half the free memory)."""
     gb = getattr(args, "memory_budget", None)
     return None if gb is None else int(gb * 2**30)
 
 
-def resolve_limits(args):
-    """Fill the limit flags left unset, and --split, from the benchmark's run settings (bench/settings.py: the
-    same resolution train.py uses)."""
-    for key, value in settings.limits_for(args.bench, **{k: getattr(args, k) for k in settings.LIMIT_FIELDS}).items():
+def model_context(model_name: str) -> int | None:
+    """The model's context length (config.json's max_position_embeddings, or its text_config's); None where the
+    folder does not say. PolicyLoadError for a model that cannot be found."""
+    path = policy.resolve_model_path(model_name) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    n = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def resolve_limits(args, context: int | None = None):
+    """Fill the limit flags left unset, and --split, from the benchmark's run settings under --protocol
+    (bench/settings.py eval_limits; with --protocol paper the resolution train.py uses). context: the model's
+    context length, the official protocol's max_total_len where the benchmark has no limit of its own."""
+    overrides = {k: getattr(args, k) for k in settings.LIMIT_FIELDS}
+    for key, value in settings.eval_limits(args.bench, getattr(args, "protocol", "paper"), context,
+                                           **overrides).items():
         setattr(args, key, value)
     args.split = args.split or settings.settings_for(args.bench).eval_split
     return args
@@ -532,7 +564,7 @@ def main(argv=None) -> int:
         parser.error(f"--temperature must be > 0 (or pass --greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    resolve_limits(args)
+    args.split = args.split or settings.settings_for(args.bench).eval_split
     if args.memory_budget is not None and not args.memory_budget > 0:
         parser.error(f"--memory-budget must be a positive number of GB, got {args.memory_budget}")
 
@@ -562,6 +594,11 @@ def main(argv=None) -> int:
         parser.error(f"--device {device} was asked for but CUDA is not available here; use --device cpu or auto")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model_name = resolve_model(args.model)
+    try:
+        context = model_context(model_name) if settings.settings_for(args.bench).official_context else None
+    except policy.PolicyLoadError as exc:
+        parser.error(str(exc))
+    resolve_limits(args, context)
     world = args.world_model
     saved_world = Path(model_name) / "world_model"
     if world == "separate" and not (saved_world / "config.json").exists():
@@ -584,6 +621,12 @@ def main(argv=None) -> int:
         eng.model.eval()
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
+    need = rollout.memory_row_bytes(eng.model, eng.max_len(SamplingConfig(max_total_len=args.max_total_len)))
+    have = budget_bytes(args) or rollout.memory_budget_bytes(next(eng.model.parameters()).device)
+    if need > have:   # one row at the full context would not fit: say so now, not with an OOM hours in
+        parser.error(f"one trajectory of --max-total-len {args.max_total_len} needs {need / 2**30:.1f} GB of KV "
+                     f"cache, over the memory budget of {have / 2**30:.1f} GB; pass a smaller --max-total-len or "
+                     "a larger --memory-budget")
 
     args.world_engine = None     # the world model's module (None: the policy writes WORLD segments)
     if world == "oracle":
@@ -615,6 +658,7 @@ def main(argv=None) -> int:
     paired = paired_comparisons(records_by_run) if len(runs) > 1 else {}
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
                "commit": args.rehearsal_commit, "judge": args.rehearsal_judge, "world_model": world,
+               "protocol": args.protocol, "limits": {k: getattr(args, k) for k in settings.LIMIT_FIELDS},
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
@@ -623,7 +667,7 @@ def main(argv=None) -> int:
                "seconds": time.perf_counter() - t0, "runs": runs, "paired": paired}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "
-          f"rehearsal {args.rehearsal_mode}")
+          f"rehearsal {args.rehearsal_mode}, protocol {args.protocol} ({limits_text(args)})")
     print(table(args.bench, runs))
     if paired:
         print("paired differences in success (same tasks and seeds; 95% paired-bootstrap interval):")

