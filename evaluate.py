@@ -515,15 +515,12 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
     return records
 
 
-def limits_text(args) -> str:
-    """The episode limits in force, as the summary line prints them."""
+def limits_text(args, task) -> str:
+    """The episode limits in force, as the summary line prints them; with the harness limits a benchmark's
+    tasks carry in their metadata (tau2's max_steps, max_errors)."""
     turns = "no turn cap" if args.max_turns >= settings.NO_EPISODE_CAP else f"{args.max_turns} turns"
-    extra = ""
-    if args.bench == "tau2":
-        max_steps, max_errors = (args.task_opts.get(k, getattr(settings.settings_for("tau2"), k))
-                                 for k in ("max_steps", "max_errors"))
-        extra = f", max_steps {max_steps}, max_errors {max_errors}"
-    return f"{turns}, {args.max_total_len} tokens{extra}"
+    harness = "".join(f", {k} {task.metadata[k]}" for k in ("max_steps", "max_errors") if k in task.metadata)
+    return f"{turns}, {args.max_total_len} tokens{harness}"
 
 
 def budget_bytes(args) -> int | None:
@@ -545,14 +542,12 @@ def model_context(model_name: str) -> int | None:
 
 
 def resolve_limits(args, context: int | None = None):
-    """Fill the limit flags left unset, and --split, from the benchmark's run settings under --protocol
+    """Fill the limit flags left unset from the benchmark's run settings under --protocol
     (bench/settings.py eval_limits; with --protocol paper the resolution train.py uses). context: the model's
     context length, the official protocol's max_total_len where the benchmark has no limit of its own."""
     overrides = {k: getattr(args, k) for k in settings.LIMIT_FIELDS}
-    for key, value in settings.eval_limits(args.bench, getattr(args, "protocol", "paper"), context,
-                                           **overrides).items():
+    for key, value in settings.eval_limits(args.bench, args.protocol, context, **overrides).items():
         setattr(args, key, value)
-    args.split = args.split or settings.settings_for(args.bench).eval_split
     return args
 
 
@@ -622,7 +617,7 @@ def main(argv=None) -> int:
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
     need = rollout.memory_row_bytes(eng.model, eng.max_len(SamplingConfig(max_total_len=args.max_total_len)))
-    have = budget_bytes(args) or rollout.memory_budget_bytes(next(eng.model.parameters()).device)
+    have = rollout.model_budget_bytes(eng.model, budget_bytes(args))
     if need > have:   # one row at the full context would not fit: say so now, not with an OOM hours in
         parser.error(f"one trajectory of --max-total-len {args.max_total_len} needs {need / 2**30:.1f} GB of KV "
                      f"cache, over the memory budget of {have / 2**30:.1f} GB; pass a smaller --max-total-len or "
@@ -667,7 +662,7 @@ def main(argv=None) -> int:
                "seconds": time.perf_counter() - t0, "runs": runs, "paired": paired}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "
-          f"rehearsal {args.rehearsal_mode}, protocol {args.protocol} ({limits_text(args)})")
+          f"rehearsal {args.rehearsal_mode}, protocol {args.protocol} ({limits_text(args, tasks[0])})")
     print(table(args.bench, runs))
     if paired:
         print("paired differences in success (same tasks and seeds; 95% paired-bootstrap interval):")

@@ -1281,9 +1281,12 @@ def memory_rows(model, max_len: int, budget_bytes: int | None = None) -> int:
     """The rule: rows = budget / (max_len x KV bytes per token x 2 + vocab x 4), at least 1. Every cache row is
     as wide as the longest row (right-aligned), so a row is budgeted at the full length it may reach; x 2 for
     the cache's growth copies and the attention over it; plus its float32 logits row."""
-    device = next(model.parameters()).device
-    budget = memory_budget_bytes(device) if budget_bytes is None else budget_bytes
-    return max(1, int(budget // memory_row_bytes(model, max_len)))
+    return max(1, int(model_budget_bytes(model, budget_bytes) // memory_row_bytes(model, max_len)))
+
+
+def model_budget_bytes(model, budget_bytes: int | None = None) -> int:
+    """The memory budget for a model's cache rows: budget_bytes, or by default half the memory free on its device."""
+    return memory_budget_bytes(next(model.parameters()).device) if budget_bytes is None else budget_bytes
 
 
 def memory_row_bytes(model, max_len: int) -> int:

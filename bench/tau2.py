@@ -488,6 +488,8 @@ MAX_ERRORS = _settings.settings_for("tau2").max_errors
 def orchestrator_limits(task: Task) -> tuple[int, int]:
     """(max_steps, max_errors) of a task: the ones it was loaded with, else tau2's defaults."""
     return task.metadata.get("max_steps", MAX_STEPS), task.metadata.get("max_errors", MAX_ERRORS)
+
+
 ORCHESTRATOR_ENDINGS = ("too_many_errors", "max_steps")   # TerminationReason values; the rollout ends with them
 # Calls the engine's parser refuses that still reach tau2 from a served model (well-formed JSON in the call
 # tags): an unknown tool name and a missing required argument. tau2's environment answers both with an error

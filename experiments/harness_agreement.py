@@ -49,7 +49,7 @@ import sys
 import time
 import types
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -85,7 +85,6 @@ class Probe:
     turns: list               # per user turn, the raw assistant texts in order
     note: str = ""
     rehearse: bool = False    # tau2: the project's rollout rehearses every response (EnvACE training)
-    limits: dict = field(default_factory=dict)   # engine limits set as a user would (--max-turns ...)
 
 
 @dataclass
@@ -154,11 +153,11 @@ def drive_engine(task, env, turns: list, closing: str, cfg, rehearse: bool = Fal
     return row.traj
 
 
-def _cfg(bench_name: str, limits: dict | None = None, protocol: str = "official"):
-    """The engine's limits as evaluate.py resolves them under `protocol`, `limits` set on top."""
+def _cfg(bench_name: str, protocol: str = "official"):
+    """The engine's limits as evaluate.py resolves them under `protocol`, no flag set."""
     import rollout
     from bench.settings import eval_limits
-    return rollout.SamplingConfig(**eval_limits(bench_name, protocol, PROBE_CONTEXT, **(limits or {})))
+    return rollout.SamplingConfig(**eval_limits(bench_name, protocol, PROBE_CONTEXT))
 
 
 # -------------------------------------------------------------------------------------------- BFCL, official
@@ -273,9 +272,9 @@ def official_bfcl(category: str, task_id: str, turns: list) -> tuple:
     return bool(res["valid"]), None if res["valid"] else res.get("error_type")
 
 
-def project_bfcl(task, turns: list, limits: dict | None = None, protocol: str = "official") -> tuple:
+def project_bfcl(task, turns: list, protocol: str = "official") -> tuple:
     """(valid, error_type) of the project: the engine's rollout of the script on bfcl.make_env, then score()."""
-    traj = drive_engine(task, bfcl.make_env(task), turns, BFCL_CLOSING, _cfg("bfcl", limits, protocol))
+    traj = drive_engine(task, bfcl.make_env(task), turns, BFCL_CLOSING, _cfg("bfcl", protocol))
     comp = bfcl.score(task, traj).components
     return bool(comp["valid"]), comp["error_type"]
 
@@ -364,11 +363,10 @@ def official_tau2(task, turns: list) -> tuple:
     return float(info.reward), getattr(sim.termination_reason, "value", sim.termination_reason)
 
 
-def project_tau2(task, turns: list, rehearse: bool = False, limits: dict | None = None,
-                 protocol: str = "official") -> tuple:
+def project_tau2(task, turns: list, rehearse: bool = False, protocol: str = "official") -> tuple:
     """(reward, termination) of the project: the engine's rollout on a Tau2Env with the scripted user, score()."""
     env = btau2.make_env(task, user_fn=lambda messages, tools=None: scripted_reply(messages[-1]["content"]))
-    traj = drive_engine(task, env, turns, TAU2_CLOSING, _cfg("tau2", limits, protocol), rehearse=rehearse)
+    traj = drive_engine(task, env, turns, TAU2_CLOSING, _cfg("tau2", protocol), rehearse=rehearse)
     s = btau2.score(task, traj)
     end = {"final_answer": "user_stop"}.get(traj.end_reason, traj.end_reason)
     return float(s.reward), end
@@ -561,10 +559,10 @@ def run_probe(p: Probe, protocol: str = "official") -> Outcome:
     task = _task(p.task_id)
     try:
         if p.cls.startswith("tau2/"):
-            project = project_tau2(task, p.turns, p.rehearse, p.limits, protocol)
+            project = project_tau2(task, p.turns, p.rehearse, protocol)
             official = official_tau2(task, p.turns)
         else:
-            project = project_bfcl(task, p.turns, p.limits, protocol)
+            project = project_bfcl(task, p.turns, protocol)
             official = official_bfcl(task.metadata["category"], task.id, p.turns)
     except Exception as exc:   # noqa: BLE001 - reported per probe
         return Outcome(p, (), (), time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:300])
