@@ -667,14 +667,23 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     t_update = time.perf_counter() - t0
     succ = [s.components.get("success", s.reward) for s in scores]
     trained = role_mask(ro.roles, t.train_roles).bool()
-    local = {"reward": float(rewards.sum()), "success": float(sum(succ)), "rows": len(scores), "flat_groups": flat,
+    neg_logp, act_sampled = sampled_neg_logp(ro.logprobs, ro.roles)
+    local = {"reward": float(rewards.sum()), "reward_sq": float((rewards ** 2).sum()),
+             "neg_logp": neg_logp, "act_sampled": act_sampled,
+             "success": float(sum(succ)), "rows": len(scores), "flat_groups": flat,
              "act_tokens": ro.stats["act_tokens"], "world_tokens": ro.stats["world_tokens"],
              "defects": sum(len(x) for x in ro.rehearsal_defects), "sampled": ro.stats["tokens_sampled"],
              "evaluator_errors": sum(bool(s.components.get("evaluator_error")) for s in scores),
              "groups": len(set(ro.task_index)), "trained_tokens": int(trained.sum()),
              "signal_tokens": int((trained & (adv != 0)).sum())}
     n = dict(zip(local, all_sum(list(local.values()), d)))     # each count summed over ranks, by name
-    record = dict(reward_mean=n["reward"] / n["rows"], success_rate=n["success"] / n["rows"], rows=int(n["rows"]),
+    mean = n["reward"] / n["rows"]
+    record = dict(reward_mean=mean, reward_std=math.sqrt(max(n["reward_sq"] / n["rows"] - mean ** 2, 0.0)),
+                  success_rate=n["success"] / n["rows"], rows=int(n["rows"]),
+                  # mean -log p of the sampled action tokens: the policy's entropy estimated from its own
+                  # samples (exact in expectation at temperature 1, top-p 1); falling fast = collapsing
+                  entropy=n["neg_logp"] / max(n["act_sampled"], 1),
+                  response_tokens=n["act_tokens"] / n["rows"],     # action tokens per trajectory
                   flat_groups=int(n["flat_groups"]), act_tokens=int(n["act_tokens"]),
                   world_tokens=int(n["world_tokens"]), rehearsal_defects=int(n["defects"]),
                   evaluator_errors=int(n["evaluator_errors"]), trained_tokens=int(n["trained_tokens"]),
@@ -697,6 +706,13 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
         t.samples.write({"step": step, "task": ro.trajectories[0].task_id, "reward": scores[0].reward,
                          "text": rollout.describe_row(ro, t.engine.tok, 0)})
     return record, ok
+
+
+def sampled_neg_logp(logprobs: torch.Tensor, roles: torch.Tensor) -> tuple[float, int]:
+    """(sum of -log p, count) over the sampled action tokens of a rollout ([B, T] each; a log-prob of exactly 0
+    marks a token that was not sampled). Their mean estimates the policy's entropy at the sampling temperature."""
+    act = (roles == Role.ACT) & (logprobs != 0)
+    return float(-(logprobs * act).sum()), int(act.sum())
 
 
 class NothingToTrain(RuntimeError):

@@ -202,8 +202,27 @@ def test_resume_reproduces_the_uninterrupted_run(micro_path, tmp_path):
     assert state["step"] == 4 and "config" in state
     metrics = json.loads((full / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ("reward_mean", "success_rate", "loss", "kl", "clip_frac", "grad_norm", "tokens_per_s",
-                "act_tokens", "world_tokens", "flat_groups", "flat_group_share", "evaluator_errors"):
+                "act_tokens", "world_tokens", "flat_groups", "flat_group_share", "evaluator_errors",
+                "reward_std", "entropy", "response_tokens"):
         assert key in metrics
+    assert metrics["response_tokens"] == metrics["act_tokens"] / metrics["rows"] and metrics["entropy"] > 0
+
+
+def test_sampled_neg_logp_estimates_the_exact_entropy(micro_path):
+    """The logged entropy (mean -log p of the sampled action tokens) agrees with the exact entropy of the
+    policy's next-token distributions at the same positions, averaged over many samples."""
+    model, tok = policy.load_policy(str(micro_path))
+    ro = rollout.Engine(model, tok).run(tasks(2), 64, rollout.SamplingConfig(max_new_tokens=6, temperature=1.0,
+                                                                            seed=3), responses="rehearse")
+    total, n = train.sampled_neg_logp(ro.logprobs, ro.roles)
+    with torch.no_grad():
+        logits = model(input_ids=ro.ids, attention_mask=(ro.roles != Role.PAD).long()).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1)                       # predicts token t+1 from state t
+    exact = -(logp.exp() * logp).sum(-1)                               # [B, T-1]
+    sampled = ((ro.roles == Role.ACT) & (ro.logprobs != 0))[:, 1:]
+    want = float(exact[sampled].mean())
+    print(f"entropy: sampled estimate {total / n:.3f}, exact {want:.3f}, {n} tokens")
+    assert n == int(sampled.sum()) > 300 and total / n == pytest.approx(want, rel=0.1)
 
 
 def test_bad_input_exits_2_with_one_clear_line_and_overwrites_nothing(micro_path, tmp_path):
