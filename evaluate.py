@@ -46,9 +46,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import kvbatch
 import policy
 import rehearse
-import rollout
 from bench import BENCHES, BenchUnavailable, load_bench, optional, settings
 from intervals import paired_difference, per_task_rewards, success_interval
 from chat_format import TemplateError
@@ -616,8 +616,8 @@ def main(argv=None) -> int:
         eng.model.eval()
     except (policy.PolicyLoadError, TemplateError) as exc:
         parser.error(str(exc))
-    need = rollout.memory_row_bytes(eng.model, eng.max_len(SamplingConfig(max_total_len=args.max_total_len)))
-    have = rollout.model_budget_bytes(eng.model, budget_bytes(args))
+    need = kvbatch.memory_row_bytes(eng.model, eng.max_len(SamplingConfig(max_total_len=args.max_total_len)))
+    have = kvbatch.model_budget_bytes(eng.model, budget_bytes(args))
     if need > have:   # one row at the full context would not fit: say so now, not with an OOM hours in
         parser.error(f"one trajectory of --max-total-len {args.max_total_len} needs {need / 2**30:.1f} GB of KV "
                      f"cache, over the memory budget of {have / 2**30:.1f} GB; pass a smaller --max-total-len or "

@@ -15,7 +15,27 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from rollout import role_mask, role_weights
+from roles import Role
+
+# ----------------------------------------------------------------------------------------------------------
+# The loss's view of the role array
+
+
+def role_mask(roles: torch.Tensor, train_roles) -> torch.Tensor:
+    """The one place a loss mask is made: True where a token's role is in `train_roles`."""
+    mask = torch.zeros_like(roles, dtype=torch.bool)
+    for role in train_roles:
+        mask |= roles == int(role)
+    return mask
+
+
+def role_weights(roles: torch.Tensor, train_roles, weights: dict) -> torch.Tensor:
+    """The loss weight of each token: weights[role name] (default 1) where role_mask is True, else 0."""
+    out = torch.zeros(roles.shape, dtype=torch.float32, device=roles.device)
+    for role in train_roles:
+        out = torch.where(roles == int(role), float(weights.get(Role(role).name.lower(), 1.0)), out)
+    return out
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Masked token log-probs, chunked (the full [B, T, V] float32 tensor is never built)

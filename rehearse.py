@@ -16,7 +16,8 @@ import torch
 
 from chat_format import (ASSESS_ERROR, ASSESS_OK, ASSESS_PREFIX, ASSESS_WRONG, MEMORY_HEAD, MEMORY_TAIL, CallError,
                          validate_rehearsal)
-from rollout import (Generate, KVBatch, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed,
+from kvbatch import KVBatch
+from rollout import (Generate, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed,
                      encode_conversation)
 
 # ==========================================================================================================
@@ -819,8 +820,8 @@ def act_many(eng, specs, rcfg: RehearsalConfig | None = None, steer=None, max_ro
     world_model: another model writes every WORLD segment (private rehearsals, fidelity probes), as a
     per-role run's trained world model (Engine.run's argument of the same name).
     oracle_env: make_env(task) of the benchmark (no simulated user), for rcfg.world == "oracle".
-    memory_budget: bytes for KV-cache rows (None: rollout.memory_budget_bytes, half the free memory); max_rows
-    is lowered to the rows that fit (rollout.memory_rows), so a large batch waits instead of running out."""
+    memory_budget: bytes for KV-cache rows (None: kvbatch.memory_budget_bytes, half the free memory); max_rows
+    is lowered to the rows that fit (kvbatch.memory_rows), so a large batch waits instead of running out."""
     rcfg = rcfg or RehearsalConfig()
     if rcfg.world == "oracle" and oracle_env is None:
         raise ValueError("rehearsal world 'oracle' needs oracle_env (the benchmark's make_env)")

@@ -52,8 +52,9 @@ from checkpoint import (WORLD_DIR, CheckpointError, MetricsLog, VocabularyMismat
 from cli import OneLineParser, parse_task_opts as parse_opts_text, template_kwargs_text
 from distributed import (Dist, all_sum, autocast, enable_activation_checkpointing, gather_sums,
                          gathered_for_generation, setup_dist, shard)
-from grpo import LossConfig, grpo_loss, role_advantages, token_logprobs
-from rollout import Role, load_engine, role_mask, role_weights
+from grpo import LossConfig, grpo_loss, role_advantages, role_mask, role_weights, token_logprobs
+from roles import Role
+from rollout import load_engine
 from warm_start import sft_loss, sft_sequence
 
 # ----------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import rehearse
 import rollout
 from distributed import Dist, all_sum, autocast
 from grpo import token_logprobs
-from rollout import Role, role_mask
+from grpo import role_mask
+from roles import Role
 
 WORLD_EXAMPLE_MAX_CALLS = 4   # the reference chats of the toy world hold 1-4 calls
 

@@ -73,7 +73,9 @@ import reward
 from grpo import LossConfig, group_advantages, grpo_loss, token_logprobs
 from bench import toyworld
 from perf.steering import Script, call_text
-from rollout import Engine, Role, SamplingConfig, role_mask
+from grpo import role_mask
+from roles import Role
+from rollout import Engine, SamplingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvbatch
 from bench import toyworld
 from rehearse import EpisodeSpec, RehearsalConfig, act, act_many
 from rollout import Engine, SamplingConfig
@@ -49,7 +50,7 @@ def test_batched_equals_one_at_a_time(eng, greedy, budget, mode):
 
 def test_rows_join_as_others_leave(eng):
     """A row budget smaller than the tasks: tasks wait and join; the batch never exceeds the budget."""
-    from rollout import KVBatch
+    from kvbatch import KVBatch
     seen = []
     original = KVBatch.feed
 
@@ -94,20 +95,19 @@ def test_cost_figures_add_up_in_a_batch_sharing_a_prompt_head(eng, budget):
 def test_a_memory_budget_caps_the_rows_of_a_batch_and_the_results_stay_the_same(eng):
     """rows = budget / (max_len x KV bytes per token x 2 + vocab x 4): a budget for 2 rows runs 6 tasks 2 at
     a time, with the same episodes as the unbudgeted batch."""
-    import rollout
     runs = specs(6, greedy=True)
-    per_row = 2 * eng.max_len(runs[0].cfg) * rollout.kv_bytes_per_token(eng.model) + 4 * eng.model.config.vocab_size
-    assert rollout.memory_rows(eng.model, eng.max_len(runs[0].cfg), 2 * per_row + 1) == 2
-    assert rollout.memory_rows(eng.model, eng.max_len(runs[0].cfg), 1) == 1        # always at least one row
+    per_row = 2 * eng.max_len(runs[0].cfg) * kvbatch.kv_bytes_per_token(eng.model) + 4 * eng.model.config.vocab_size
+    assert kvbatch.memory_rows(eng.model, eng.max_len(runs[0].cfg), 2 * per_row + 1) == 2
+    assert kvbatch.memory_rows(eng.model, eng.max_len(runs[0].cfg), 1) == 1        # always at least one row
     widest = []
-    real_feed = rollout.KVBatch.feed
+    real_feed = kvbatch.KVBatch.feed
 
     def spy(batch):
         widest.append(len(batch.rows))
         return real_feed(batch)
     import pytest as _pytest
     with _pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rollout.KVBatch, "feed", spy)
+        mp.setattr(kvbatch.KVBatch, "feed", spy)
         capped = act_many(eng, runs, RehearsalConfig(budget=0), memory_budget=2 * per_row + 1)
     assert max(widest) <= 2
     free = act_many(eng, runs, RehearsalConfig(budget=0))

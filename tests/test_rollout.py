@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+import grpo
+import kvbatch
 import rollout
 from chat_format import TemplateError, derive_chat_format, parse_turn
 from rollout import Engine, Role, SamplingConfig
@@ -197,8 +199,8 @@ def test_parse_turn_is_total():
 
 def test_role_mask_selects_only_trained_roles():
     roles = torch.tensor([[1, 2, 2, 3, 4, 1, 0]])
-    assert rollout.role_mask(roles, [Role.ACT, Role.WORLD]).tolist() == [[False, True, True, True, False, False, False]]
-    assert rollout.role_mask(roles, [Role.ACT]).tolist() == [[False, True, True, False, False, False, False]]
+    assert grpo.role_mask(roles, [Role.ACT, Role.WORLD]).tolist() == [[False, True, True, True, False, False, False]]
+    assert grpo.role_mask(roles, [Role.ACT]).tolist() == [[False, True, True, False, False, False, False]]
 
 
 def test_preallocated_kv_cache_matches_dynamic_cache_through_every_operation():
@@ -206,7 +208,7 @@ def test_preallocated_kv_cache_matches_dynamic_cache_through_every_operation():
     preallocated layer must hold exactly what transformers' concatenating DynamicCache holds."""
     from transformers import DynamicCache
     gen = torch.Generator().manual_seed(0)
-    ours, ref = rollout.new_kv_cache(), DynamicCache()
+    ours, ref = kvbatch.new_kv_cache(), DynamicCache()
 
     def feed(n, batch):
         for layer in range(2):
@@ -285,9 +287,10 @@ def test_kv_batch_cache_rows_stay_exact_through_every_operation(micro64, monkeyp
     child and gets it back cut to its own tokens, rows leave, and the cache is packed once holes pile up.
     After each step every row's next-token logits equal a full forward of its tokens, and its mask holds
     exactly its cached tokens. With buffers' unset room full of NaN, no unset value is ever read."""
-    from rollout import KVBatch, Row
+    from kvbatch import KVBatch
+    from rollout import Row
     if unset == "nan":
-        monkeypatch.setattr(rollout, "kv_buffer", lambda like, shape: like.new_full(shape, float("nan")))
+        monkeypatch.setattr(kvbatch, "kv_buffer", lambda like, shape: like.new_full(shape, float("nan")))
     model, tok = micro64
     gen = torch.Generator().manual_seed(0)
     task = tasks(1)[0]
@@ -366,7 +369,7 @@ def test_kv_batch_cache_rows_stay_exact_through_every_operation(micro64, monkeyp
 
 
 def test_length_groups_cover_every_feed_once_longest_first():
-    from rollout import length_groups
+    from kvbatch import length_groups
     lengths = [5, 100, 90, 6, 40, 1, 95]
     groups = length_groups(lengths)
     assert sorted(k for g in groups for k in g) == list(range(len(lengths)))

@@ -31,7 +31,7 @@ def random_batch(B=4, T=24, seed=0):
 def test_chunked_logprobs_equal_naive_log_softmax(micro64):
     model, _ = micro64
     ids, roles = random_batch()
-    mask = rollout.role_mask(roles, ACT_WORLD)
+    mask = grpo.role_mask(roles, ACT_WORLD)
     attn = (roles != Role.PAD).long()
     for chunk in (1, 5, 1000):
         for temp in (1.0, 0.7):
@@ -49,7 +49,7 @@ def test_masked_positions_get_exactly_zero_gradient(micro64):
     model, _ = micro64
     ids, roles = random_batch()
     for train_roles in (ACT_WORLD, [Role.ACT]):
-        mask = rollout.role_mask(roles, train_roles)
+        mask = grpo.role_mask(roles, train_roles)
         logp = grpo.token_logprobs(model, ids, mask, (roles != Role.PAD).long()).detach().requires_grad_(True)
         old = torch.randn_like(logp)           # garbage everywhere, masked positions included
         adv = torch.randn(ids.shape)
@@ -59,7 +59,7 @@ def test_masked_positions_get_exactly_zero_gradient(micro64):
         assert torch.all(logp.grad[~mask] == 0)
         assert torch.count_nonzero(logp.grad[mask]) > 0
     # and the model's own gradient does not depend on what sits at masked positions
-    mask = rollout.role_mask(roles, ACT_WORLD)
+    mask = grpo.role_mask(roles, ACT_WORLD)
     grads = []
     for fill in (0.0, 123.0):
         model.zero_grad()
@@ -97,7 +97,7 @@ def test_per_role_advantages_use_rows_that_have_the_role():
 def test_loss_at_ratio_one_is_the_plain_policy_gradient_and_clipping_engages():
     torch.manual_seed(0)
     roles = torch.tensor([[1, 2, 2, 3, 4, 2, 0]])
-    mask = rollout.role_mask(roles, ACT_WORLD)
+    mask = grpo.role_mask(roles, ACT_WORLD)
     base = torch.randn(roles.shape, dtype=torch.float64)
     adv = torch.tensor([0.7], dtype=torch.float64)
     logp = base.clone().requires_grad_(True)
@@ -316,7 +316,7 @@ def test_skipped_tools_responses_carry_no_warm_start_loss(micro_path):
     # the loss is the mean NLL over exactly the other trained tokens; no gradient reaches the skipped ones
     d = distributed.Dist()
     loss, n_tok = warm_start.sft_loss(model, [(ids, roles, skipped)], d, tok.pad_token_id, 64)
-    full_mask = rollout.role_mask(torch.tensor([roles]), ACT_WORLD)
+    full_mask = grpo.role_mask(torch.tensor([roles]), ACT_WORLD)
     with torch.no_grad():
         logp = grpo.token_logprobs(model, torch.tensor([ids]), full_mask, chunk_size=64)[0]
     keep = [i for i in range(len(ids)) if full_mask[0, i] and not price[0] <= i < price[1]]
@@ -358,9 +358,9 @@ def test_role_weights_and_subconfigs_follow_the_config():
     """Per-role loss weights come from one function beside role_mask; sub-configs are filled by field name."""
     import rollout
     roles = torch.tensor([[Role.PROMPT, Role.ACT, Role.WORLD, Role.OBS, Role.ACT, Role.PAD]])
-    w = rollout.role_weights(roles, [Role.ACT, Role.WORLD], {"act": 1.0, "world": 0.5})
+    w = grpo.role_weights(roles, [Role.ACT, Role.WORLD], {"act": 1.0, "world": 0.5})
     assert w.tolist() == [[0.0, 1.0, 0.5, 0.0, 1.0, 0.0]]
-    assert torch.equal(w > 0, rollout.role_mask(roles, [Role.ACT, Role.WORLD]))
+    assert torch.equal(w > 0, grpo.role_mask(roles, [Role.ACT, Role.WORLD]))
     cfg = train.TrainConfig(clip_high=0.28, temperature=0.7, max_turns=5, kl_coef=0.01)
     loss_cfg = train.subconfig(grpo.LossConfig, cfg, role_weights={"act": 2.0})
     assert (loss_cfg.clip_high, loss_cfg.kl_coef, loss_cfg.role_weights) == (0.28, 0.01, {"act": 2.0})
