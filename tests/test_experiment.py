@@ -362,3 +362,25 @@ def test_task_options_reach_training_and_the_held_out_set_of_their_own(tmp_path)
     args = experiment.parse_args(["--warm-start", str(ws), "--task-opts", "families=all",
                                   "--eval-task-opts", "families=classic"])
     assert args.task_opts == "families=all" and args.eval_task_opts == "families=classic"
+
+
+def test_grpo_step_size_report_pairs_each_run_with_the_warm_start(tmp_path):
+    from experiments import grpo_step_size as g
+    tasks = [f"t{i}" for i in range(40)]
+
+    def piece(path, wins):
+        p = tmp_path / path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({"held_out": {"B=0": {"per_task": {t: [float(i < wins)] for i, t in enumerate(tasks)}}}}))
+    piece(g.WARM_START, 10)
+    for k, (lr, path) in enumerate(g.PIECES.items()):
+        piece(path, 10 + 5 * k)            # each lr wins 5 more of the same tasks than the one before
+        m = tmp_path / f"results/grpo_lr/lr{lr}/metrics.jsonl"
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.write_text("\n".join(json.dumps({"success_rate": s / 20, "kl": 0.1, "entropy": 1.0}) for s in range(20)))
+    s = g.summarize(tmp_path)
+    diffs = [r["minus_warm_start"] for r in s["runs"].values()]
+    assert [round(d["diff"], 3) for d in diffs] == [0.0, 0.125, 0.25] and diffs[2]["better"] == 10
+    t = s["runs"]["3e-5"]["training"]
+    assert t["success_rate"] == {"first": 4.5 / 20, "last": 14.5 / 20} and t["reward_std"] is None
+    assert "+0.250" in g.table(s)
