@@ -30,7 +30,8 @@ verdict agrees with the proposal's real outcome, how often the committed call di
 proposal, and whether such a change helped or hurt.
 
 --model auto (default) uses the checkpoint `python train.py` writes: runs/tiny-toyworld/latest holds the path
-of an HF folder relative to runs/tiny-toyworld/; without it the untrained embedded tiny model is used.
+of an HF folder relative to runs/tiny-toyworld/; without it the embedded tiny model as shipped
+(pretrained for recall, not trained on the task) is used.
 """
 from __future__ import annotations
 
@@ -112,8 +113,10 @@ def build_parser() -> OneLineParser:
                         "(measured to hurt: it calls right proposals wrong)")
     p.add_argument("--compare", type=_budgets, default=None, metavar="B1,B2,...",
                    help="run these budgets on the same tasks and seeds and print them side by side")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: per benchmark, bench/settings.py: the paper's 0.6)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="top-p (default: per benchmark, bench/settings.py: the paper's 0.95)")
     p.add_argument("--greedy", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--protocol", choices=list(settings.PROTOCOLS), default="official",
@@ -350,8 +353,8 @@ def resolve_model(name: str) -> str:
     latest = TRAIN_RUN / "latest"
     if latest.is_file():
         return str(TRAIN_RUN / latest.read_text().strip())
-    print(f"note: no trained checkpoint ({latest} is missing; run `python train.py`): evaluating the untrained "
-          "tiny model")
+    print(f"note: no trained checkpoint ({latest} is missing; run `python train.py`): evaluating the tiny "
+          "model as shipped (pretrained, not trained on the task)")
     return "tiny"
 
 
@@ -551,10 +554,17 @@ def resolve_limits(args, context: int | None = None):
     return args
 
 
+def sampling_defaults(bench: str, temperature: float | None, top_p: float | None) -> tuple[float, float]:
+    """The evaluation's temperature and top-p: the user's, else the benchmark's (bench/settings.py)."""
+    s = settings.settings_for(bench)
+    return (s.eval_temperature if temperature is None else temperature, s.eval_top_p if top_p is None else top_p)
+
+
 def main(argv=None) -> int:
     """Load the model and the split, run every budget, write summary.json and print the table."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.temperature, args.top_p = sampling_defaults(args.bench, args.temperature, args.top_p)
     if not args.greedy and args.temperature <= 0:
         parser.error(f"--temperature must be > 0 (or pass --greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:

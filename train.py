@@ -7,7 +7,7 @@ One step: sample tasks -> roll out G trajectories per task (rehearsal by default
 tool response) -> verifier reward (reward.py) -> group-normalised advantages -> clipped-ratio loss on the
 trained roles' tokens -> AdamW.
 
-The paper's ablation arms (the official launch scripts in examples/drmas_trainer/):
+The paper's ablation arms (named after the launch scripts in the official repository's examples/drmas_trainer/):
     --env sim --train-roles act           standard GRPO: a frozen simulator writes every tool response
                                           (run_checklist_caller_only.sh)
     --env rehearse --world-model separate per-role policies: a second model writes and is trained on the
@@ -96,12 +96,12 @@ class TrainConfig:
     steps: int = opt(30, "GRPO steps (after --sft-steps warm-start steps)")
     tasks_per_step: int = opt(8, "tasks per GRPO step (the paper: 16)")
     group_size: int = opt(4, "rollouts per task: the GRPO group (the paper: 4)")
-    lr: float | None = opt(None, "GRPO learning rate (default: 1e-6 for a real model, the paper's; 3e-4 tiny)")
+    lr: float | None = opt(None, "GRPO learning rate (default: 1e-6 for a real model, the paper's; 3e-5 tiny)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float = opt(1.0, "gradient-norm clip")
     updates_per_batch: int = opt(1, "optimizer updates per rollout batch (the paper: 1)")
     micro_batch: int = opt(8, "rows per forward/backward")
-    temperature: float = opt(1.0, "sampling temperature of training rollouts (the paper: 1.0)")
+    temperature: float | None = opt(None, f"sampling temperature of training rollouts ({PER_BENCH}: the paper's 1.0)")
     top_p: float = opt(1.0, "top-p of training rollouts")
     max_new_tokens: int | None = opt(None, f"tokens per assistant turn (default: {PER_BENCH})")
     max_world_tokens: int | None = opt(None, f"tokens per rehearsed tool response (default: {PER_BENCH})")
@@ -156,7 +156,7 @@ class TrainConfig:
         tiny = c.model in policy.TINY_NAMES
         bench = settings.settings_for(c.bench)
         if c.lr is None or c.lr < 0:
-            c.lr = 3e-4 if tiny else 1e-6
+            c.lr = 3e-5 if tiny else 1e-6    # 3e-4 drifts the tiny model below its warm start (results/grpo_lr)
         if c.sft_steps is None or c.sft_steps < 0:
             c.sft_steps = SFT_TINY_STEPS.get(c.model, 0) if c.bench == "toyworld" else 0
         if c.sft_lr is None:    # the random init needs the large step; pretrained weights keep their recall at 1e-3
@@ -166,6 +166,7 @@ class TrainConfig:
         for key, value in settings.limits_for(c.bench, **{k: getattr(c, k) for k in settings.LIMIT_FIELDS}).items():
             setattr(c, key, value)
         c.split = c.split or bench.train_split
+        c.temperature = bench.train_temperature if c.temperature is None else c.temperature
         c.out = c.out or default_out(c.model, c.bench)
         if c.train_roles == "auto":
             c.train_roles = "act,world" if c.env == "rehearse" else "act"
@@ -256,7 +257,7 @@ def validate(cfg: TrainConfig):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     for name in ("lr", "sft_lr", "grad_clip", "clip_low", "clip_high", "temperature", "top_p"):
         v = getattr(cfg, name)
-        if name in ("lr", "sft_lr") and v is None:   # resolved per model
+        if name in ("lr", "sft_lr", "temperature") and v is None:   # resolved per model or benchmark
             continue
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {v}")

@@ -146,3 +146,17 @@ def test_pass_hat_k_and_summary_metrics():
     assert s["cost"]["extra_tokens_per_call"] == 10 and s["cost"]["extra_tokens_per_turn"] == 5
     text = evaluate.table("finmcp", {"B=0": s, "B=1": s})
     assert "category=x (n=1) success    0.500 [" in text and "finmcp pass^2" in text and "finmcp evaluator_errors" in text
+
+
+def test_sampling_defaults_are_the_benchmark_settings(monkeypatch):
+    """evaluate.py's temperature / top-p and train.py's temperature come from bench/settings.py unless set."""
+    import dataclasses
+    import train
+    from bench import settings
+    assert evaluate.sampling_defaults("tau2", None, None) == (0.6, 0.95)
+    assert evaluate.sampling_defaults("tau2", 0.3, None) == (0.3, 0.95)
+    monkeypatch.setitem(settings.SETTINGS, "toyworld", dataclasses.replace(
+        settings.SETTINGS["toyworld"], eval_temperature=0.7, eval_top_p=0.9, train_temperature=0.8))
+    assert evaluate.sampling_defaults("toyworld", None, None) == (0.7, 0.9)
+    assert train.TrainConfig().resolved().temperature == 0.8
+    assert train.TrainConfig(temperature=1.0).resolved().temperature == 1.0
