@@ -42,6 +42,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import policy
+import report
 import reward
 import rollout
 from bench import BENCHES, BenchUnavailable, lacks, load_bench, optional, settings
@@ -139,6 +140,8 @@ class TrainConfig:
     sft_roles: str = opt("act,world", "roles trained in the warm start")
     seed: int = opt(0, "seed of task draws, sampling and init")
     save_every: int = opt(20, "steps between checkpoints")
+    report_to: str = opt("none", "experiment logger beside metrics.jsonl (report.py; wandb runs offline unless "
+                         "WANDB_MODE is set)", choices=["none", "tensorboard", "wandb"])
     keep_checkpoints: int = opt(3, "step_N folders kept (older ones removed after each save); 0 keeps all")
     chunk_size: int = opt(1024, "positions per LM-head chunk in the log-prob pass")
     activation_checkpointing: str = opt("auto", "recompute each decoder layer in backward instead of keeping its "
@@ -287,6 +290,10 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--sft-world-frac needs a benchmark that generates world examples (toyworld); "
                           f"{cfg.bench!r} has none")
     parse_tool_names(cfg.sft_world_skip)
+    try:
+        report.check_available(cfg.report_to)
+    except report.ReporterUnavailable as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.keep_checkpoints < 0:
         raise ConfigError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints}")
     for name in ("kl_coef", "dual_clip", "defect_penalty", "weight_decay", "act_weight", "world_weight"):
@@ -423,6 +430,7 @@ class Trainer:
     world_skip: frozenset
     metrics: MetricsLog | None
     samples: MetricsLog | None
+    reporter: object               # report.py: the same scalars to tensorboard / wandb (NoReporter: none)
     ref_model: object = None       # the frozen KL reference, made when GRPO begins
     sim_model: object = None       # --env sim: the frozen simulator writing every tool response
     world: object = None           # --world-model separate: the world model, trained on WORLD tokens ...
@@ -463,6 +471,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         record.update(step=step, phase=phase, skipped_update=not ok, t_step=time.perf_counter() - t_step)
         if t.metrics is not None:
             t.metrics.write(record)
+            t.reporter.log(record)
             bar.set_postfix(progress_fields(record))
         if not ok:
             print(f"warning: step {step}: non-finite loss or gradient; update skipped "
@@ -477,6 +486,7 @@ def train(cfg: TrainConfig, resume: Path | None = None) -> Path:
         if stop["flag"]:
             break
     bar.close()
+    t.reporter.close()
     if d.world_size > 1:
         dist.destroy_process_group()
     if grpo_steps and no_signal_steps == grpo_steps:
@@ -556,6 +566,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     keep = start_step if resume else None
     metrics = MetricsLog(run / "metrics.jsonl", keep_before_step=keep) if d.main else None
     samples = MetricsLog(run / "samples.jsonl", keep_before_step=keep) if d.main else None
+    reporter = report.make_reporter(cfg.report_to, run, asdict(cfg), start_step) if d.main else report.NoReporter()
     # tau2/vita need a simulated user: --user-model (with its own template), or the policy in its own context
     user_engine = engine
     if cfg.user_model:
@@ -567,7 +578,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
                    optimizer=optimizer, make_env=make_env, loss_cfg=loss_cfg,
                    sampling=subconfig(rollout.SamplingConfig, cfg), train_roles=parse_roles(cfg.train_roles),
                    sft_roles=parse_roles(cfg.sft_roles), world_skip=world_skip, metrics=metrics,
-                   samples=samples, sim_model=sim_model, world=world, world_optimizer=world_optimizer), start_step
+                   samples=samples, reporter=reporter, sim_model=sim_model, world=world, world_optimizer=world_optimizer), start_step
 
 
 def user_sampling(cfg: TrainConfig):
