@@ -786,6 +786,35 @@ def progress_fields(record: dict) -> dict:
 # CLI
 
 
+def load_config_files(paths: list[str]) -> dict:
+    """The TrainConfig fields set by TOML presets (configs/*.toml), later files over earlier ones; an [about]
+    table is documentation (experiments/ reads it). ConfigError, one line, for a missing or bad file or key."""
+    import tomllib
+    names = {f.name: f for f in fields(TrainConfig)}
+    out: dict = {}
+    for path in paths:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+        data.pop("about", None)
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; the keys are train.py's flags "
+                              "with '_' for '-' (python train.py --help)")
+        for key, value in data.items():
+            kind = str(names[key].type)
+            ok = {"bool": isinstance(value, bool), "int": isinstance(value, int) and not isinstance(value, bool),
+                  "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+                  "str": isinstance(value, str)}.get(kind.split(" | ")[0], True)
+            if not ok:
+                raise ConfigError(f"--config {path}: {key} = {value!r} is not a {kind.split(' | ')[0]}")
+        out.update(data)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, its help and choices from the field's metadata."""
     ap = OneLineParser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
@@ -806,6 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument(flag, type=kind, choices=choices, help=text + shown, metavar=None if choices else metavar)
     ap.add_argument("--resume", type=str, metavar="RUN", help="continue the run in this folder from its latest "
                                                                 "checkpoint")
+    ap.add_argument("--config", action="append", metavar="FILE.toml", help="a preset (configs/: the default run, "
+                    "the paper's recipe, each ablation arm); repeat to layer them; flags given here win")
     return ap
 
 
@@ -814,7 +845,11 @@ def main(argv=None) -> int:
     code: 0 done, 2 a bad flag or unusable input (one line on stderr), 1 a run that failed while training."""
     args = vars(build_parser().parse_args(argv))
     resume = args.pop("resume", None)
+    presets = args.pop("config", None) or []
     try:
+        if presets and resume is not None:
+            raise ConfigError("--config and --resume do not go together: a resumed run keeps its saved config")
+        args = {**load_config_files(presets), **args}
         if resume is not None:
             run = Path(resume)
             try:

@@ -66,14 +66,32 @@ class Arm:
     mirrors: str          # the official script this arm stands for ("" = none)
 
 
-ARMS = {
-    "frozen-sim": Arm(["--env", "sim", "--train-roles", "act"], "run_checklist_caller_only.sh"),
-    "per-role": Arm(["--env", "rehearse", "--world-model", "separate", "--train-roles", "act,world"],
-                    "run_checklist_noshare.sh"),
-    "envace": Arm(["--env", "rehearse", "--train-roles", "act,world"], "run_checklist_share.sh"),
-    "real": Arm(["--env", "real", "--train-roles", "act"], ""),
-    "act-only": Arm(["--env", "rehearse", "--train-roles", "act"], ""),
-}
+ARM_DIR = ROOT / "configs" / "arms"
+
+
+def load_arms() -> dict[str, Arm]:
+    """The arms as configs/arms/*.toml define them (the one definition train.py, experiments and the README
+    use): each piece runs train.py --config configs/arms/<arm>.toml."""
+    import tomllib
+    arms = {}
+    for path in sorted(ARM_DIR.glob("*.toml")):
+        about = tomllib.loads(path.read_text()).get("about", {})
+        arms[path.stem] = Arm(["--config", str(path.relative_to(ROOT))], about.get("mirrors", ""))
+    return arms
+
+
+ARMS = load_arms()
+
+
+def arm_config(arm: str) -> dict:
+    """The train.py settings an arm's preset sets (empty for the warm start)."""
+    import tomllib
+    path = ARM_DIR / f"{arm}.toml"
+    if not path.exists():
+        return {}
+    data = tomllib.loads(path.read_text())
+    data.pop("about", None)
+    return data
 DEFAULT_ARMS = ["frozen-sim", "per-role", "envace", "real"]
 ROW_ORDER = ["warm-start", "frozen-sim", "per-role", "envace", "act-only", "real"]
 PAPER_ORDER = ["frozen-sim", "per-role", "envace"]          # increasing success, as the paper reports
@@ -235,6 +253,7 @@ def run_piece(name: str, arm: str, seed: int, args, piece: dict | None = None) -
             ckpt_path, steps = latest_checkpoint(run_dir)
             ckpt, curve = rel(ckpt_path), training_curve(run_dir / "metrics.jsonl")
         piece = {"piece": name, "arm": arm, "seed": seed, "train_flags": ARMS[arm].flags if arm in ARMS else [],
+                 "arm_config": arm_config(arm),
                  "mirrors": ARMS[arm].mirrors if arm in ARMS else "",
                  "warm_start": args.warm_start, "warm_start_note": args.warm_start_note,
                  "warm_start_config": warm_start_config(args.warm_start),
