@@ -196,7 +196,7 @@ def test_a_written_piece_is_skipped_and_a_missing_one_runs(tmp_path, monkeypatch
     (cmd,) = calls
     assert cmd[:3] == ["train.py", "--model", str(warm)]
     assert cmd[cmd.index("--steps") + 1] == "100" and cmd[cmd.index("--sft-steps") + 1] == "0"
-    assert cmd[-4:] == ["--env", "rehearse", "--train-roles", "act,world"]
+    assert cmd[-2:] == ["--config", "configs/arms/envace.toml"]
 
 
 def fake_checkpoint(run: Path, warm: Path, steps: int):
