@@ -50,7 +50,7 @@ from tqdm import tqdm
 import kvbatch
 import policy
 import rehearse
-from bench import BENCHES, BenchUnavailable, load_bench, optional, settings
+from bench import BENCHES, DEFAULT_BENCH, BenchUnavailable, load_bench, optional, settings
 from intervals import paired_difference, per_task_rewards, success_interval
 from chat_format import TemplateError
 from cli import OneLineParser, add_template_args, int_at_least, task_opts_arg
@@ -62,7 +62,6 @@ TABLE_DIAGNOSTICS = ("rehearsed_turns", "assessed", "assess_agree_rate", "assess
                      "assess_unmeasured", "verdict_unparsed", "changed_rate", "changed", "helped", "hurt", "neutral",
                      "effect_unmeasured")
 TRAIN_RUN = Path("runs/tiny-toyworld")
-DEFAULT_TOYWORLD_LIMIT = 256      # of its 1000 test tasks: a success's 95% interval is then about +-0.055
 
 
 def _budgets(text):
@@ -82,7 +81,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--model", default="auto", help="'auto' (train.py's latest checkpoint, else tiny), 'tiny', "
                    "a local HF folder or a .gguf file")
     add_template_args(p)
-    p.add_argument("--bench", default="toyworld", choices=list(BENCHES))
+    p.add_argument("--bench", default=DEFAULT_BENCH, choices=list(BENCHES))
     p.add_argument("--world-model", default="auto", metavar="{auto,shared,separate,oracle,PATH}",
                    help="who writes the private rehearsals and fidelity probes, as train.py's --world-model: shared "
                    "(the policy itself), separate (the checkpoint's world_model/ folder, saved by a train.py "
@@ -164,14 +163,12 @@ def pass_hat_k(results_by_task: dict, k: int) -> float:
 
 
 def _pass_k_fn(bench_name):
-    """tau2's own pass^k where its package is installed, else the local formula."""
-    if bench_name == "tau2":
-        try:
-            from bench import tau2   # here, not at the top: bench.tau2 needs the optional tau2 package
-            return tau2.pass_hat_k
-        except (ImportError, AttributeError):
-            pass
-    return pass_hat_k
+    """The benchmark's own pass^k where it offers one (tau2's, from its package), else the local formula."""
+    try:
+        own = optional(load_bench(bench_name), "pass_hat_k")
+    except (ImportError, BenchUnavailable, ValueError):   # its optional package is missing: the local formula
+        own = None
+    return own or pass_hat_k
 
 
 def _mean(xs):
@@ -580,9 +577,7 @@ def main(argv=None) -> int:
     except (BenchUnavailable, ValueError) as exc:
         parser.error(str(exc))
     try:
-        limit = args.limit
-        if limit is None and args.bench == "toyworld":
-            limit = DEFAULT_TOYWORLD_LIMIT   # its test split has 1000 tasks
+        limit = args.limit if args.limit is not None else settings.settings_for(args.bench).eval_limit
         tasks = mod.load_tasks(args.split, limit=limit, **args.task_opts)
         tasks = tasks[:limit] if limit is not None else tasks     # a loader's limit may be per group (BFCL)
     except (BenchUnavailable, ValueError, TypeError, FileNotFoundError) as exc:
@@ -611,7 +606,7 @@ def main(argv=None) -> int:
                      "--world-model separate); use shared or a folder")
     if world in ("auto", "separate"):
         world = str(saved_world) if (saved_world / "config.json").exists() else "shared"
-    fidelity_on = args.fidelity if args.fidelity is not None else args.bench == "toyworld"
+    fidelity_on = args.fidelity if args.fidelity is not None else settings.settings_for(args.bench).eval_fidelity
     out = Path(args.out or f"runs/eval/{args.bench}-{args.split}")
     try:                         # before loading anything: a refused resume costs nothing
         identity = eval_identity(args, model_name, tasks, fidelity_on, world)

@@ -36,7 +36,7 @@ import torch
 
 import chat_format
 import policy
-from bench import BENCHES, BenchUnavailable, Task, Trajectory, load_bench
+from bench import BENCHES, DEFAULT_BENCH, BenchUnavailable, Task, Trajectory, load_bench
 from chat_format import CallError, ChatFormat, ToolCall, derive_chat_format, validate_rehearsal
 from cli import OneLineParser, add_template_args, int_at_least
 from kvbatch import KVBatch, memory_rows
@@ -376,7 +376,7 @@ class Engine:
                 traj.errors.append(f"user_error: {type(exc).__name__}: {exc}")
                 return row.finish("user_error")
             if reply is None:
-                if getattr(row.env, "last_user_tool_calls", None):   # tau2 telecom: the user acted, then stopped
+                if getattr(row.env, "last_user_tool_calls", None):   # Env protocol: the user acted, then stopped
                     traj.messages.append({"role": "user", "content": getattr(row.env, "last_user_text", ""),
                                           "user_tool_calls": list(row.env.last_user_tool_calls)})
                 return row.finish("final_answer")
@@ -384,7 +384,7 @@ class Engine:
                 return row.finish("max_turns")
             row.user_turn += 1
             user_msg = {"role": "user", "content": reply}
-            if getattr(row.env, "last_user_tool_calls", None):  # tau2 telecom: the user acted on their device
+            if getattr(row.env, "last_user_tool_calls", None):  # Env protocol: the user acted on their side
                 user_msg["user_tool_calls"] = list(row.env.last_user_tool_calls)
             traj.messages.append(user_msg)
             if ending := env_ending(row):
@@ -761,7 +761,7 @@ def main(argv=None) -> int:
     ap = OneLineParser(prog="rollout.py", description=main.__doc__)
     ap.add_argument("--model", default="tiny", help="'tiny', a local HF folder or a .gguf file")
     add_template_args(ap)
-    ap.add_argument("--bench", default="toyworld", choices=list(BENCHES))
+    ap.add_argument("--bench", default=DEFAULT_BENCH, choices=list(BENCHES))
     ap.add_argument("--env", default="rehearse", choices=["rehearse", "real"],
                     help="who writes tool responses, as train.py's --env: the policy's world role (rehearse) or "
                          "the environment (real)")

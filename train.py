@@ -45,7 +45,7 @@ import policy
 import report
 import reward
 import rollout
-from bench import BENCHES, BenchUnavailable, lacks, load_bench, optional, settings
+from bench import BENCHES, DEFAULT_BENCH, BenchUnavailable, lacks, load_bench, optional, settings
 from chat_format import CALL_FORMATS
 from checkpoint import (WORLD_DIR, CheckpointError, MetricsLog, VocabularyMismatch, grpo_start_snapshot,
                         latest_checkpoint, load_model, load_optimizer_state, read_state, reference_model,
@@ -80,7 +80,7 @@ class TrainConfig:
                                         "'{\"enable_thinking\": false}' (default: those saved with the model)")
     tool_call_format: str = opt("", "how the model writes tool calls (default: inferred from the chat template)",
                                 list(CALL_FORMATS))
-    bench: str = opt("toyworld", "benchmark to train on", list(BENCHES))
+    bench: str = opt(DEFAULT_BENCH, "benchmark to train on", list(BENCHES))
     split: str = opt("", f"split to train on (default: {PER_BENCH}: tau2's own train split, BFCL's train half)")
     task_opts: str = opt("", "extra load_tasks options as key=value,key=value (e.g. domain=airline)")
     out: str = opt("", "run folder (default: runs/MODEL-BENCH, e.g. runs/tiny-toyworld)")
@@ -161,11 +161,11 @@ class TrainConfig:
         if c.lr is None or c.lr < 0:
             c.lr = 3e-5 if tiny else 1e-6    # 3e-4 drifts the tiny model below its warm start (results/grpo_lr)
         if c.sft_steps is None or c.sft_steps < 0:
-            c.sft_steps = SFT_TINY_STEPS.get(c.model, 0) if c.bench == "toyworld" else 0
+            c.sft_steps = SFT_TINY_STEPS.get(c.model, 0) if bench.tiny_warm_start else 0
         if c.sft_lr is None:    # the random init needs the large step; pretrained weights keep their recall at 1e-3
             c.sft_lr = SFT_TINY_LR.get(c.model, 1e-5)
         if c.sft_rehearsal_frac is None or c.sft_rehearsal_frac < 0:   # the tiny model never saw the format
-            c.sft_rehearsal_frac = 0.25 if tiny and c.bench == "toyworld" else 0.0
+            c.sft_rehearsal_frac = 0.25 if tiny and bench.tiny_warm_start else 0.0
         for key, value in settings.limits_for(c.bench, **{k: getattr(c, k) for k in settings.LIMIT_FIELDS}).items():
             setattr(c, key, value)
         c.split = c.split or bench.train_split

@@ -31,6 +31,7 @@ BENCHES = {
     "vita": "bench.vita",
     "finmcp": "bench.finmcp",
 }
+DEFAULT_BENCH = "toyworld"   # the embedded world: what the CLIs run on a fresh machine
 
 
 @dataclass
@@ -68,7 +69,8 @@ class Env(Protocol):
     """A real environment for one trajectory (make_env). Optional members the engine reads where present:
     `tools`, the list revealed so far (BFCL miss_func adds functions mid-episode), and `ending(traj) -> str | None`,
     the benchmark's own run limit reached by the trajectory so far (tau2's Orchestrator: "too_many_errors",
-    "max_steps"), which ends the rollout with that reason."""
+    "max_steps"), which ends the rollout with that reason; and `last_user_tool_calls`, the calls the simulated
+    user made on its own side during the last user_turn (tau2 telecom), recorded on that user message."""
 
     def step(self, name: str, arguments: dict) -> str:
         """Execute one tool call for real; return the observation text (errors as text, never raise)."""
@@ -107,6 +109,8 @@ OPTIONAL = {
     "world_examples": "world_examples(task, rng, n_calls, lookup_frac=0.0, skip_lookups=()) -> list[dict]: a chat "
                       "of random valid and invalid calls with their real responses (warm-start world examples)",
     "LOOKUP_TOOLS": "LOOKUP_TOOLS: tuple of read-only tool names (world examples' lookups, the lookup probe)",
+    "pass_hat_k": "pass_hat_k(results_by_task: dict[task id, list[reward]], k) -> float: the benchmark's own "
+                  "pass^k (evaluate.py uses it instead of its local formula)",
 }
 
 

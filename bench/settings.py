@@ -51,6 +51,9 @@ class RunSettings:
     official_context: bool = False    # --protocol official: max_total_len is the model's context length
     max_steps: int | None = None      # tau2's Orchestrator: steps (messages) before it ends the simulation ...
     max_errors: int | None = None     # ... and tool errors (the agent's and the user's) before it ends it
+    eval_limit: int | None = None     # evaluate.py's default task count (None: the whole split)
+    eval_fidelity: bool = False       # evaluate.py probes world-model fidelity by default (cheap replays only)
+    tiny_warm_start: bool = False     # the embedded tiny model's default warm start is built for this benchmark
 
 
 NO_EPISODE_CAP = 100_000   # an assistant-turn bound no episode reaches: the benchmark's own rules end it first
@@ -59,7 +62,8 @@ PROTOCOLS = ("official", "paper")
 SETTINGS = {
     "toyworld": RunSettings(max_new_tokens=48, max_world_tokens=32, max_turns=8, max_total_len=2048,
                             train_split="train", eval_split="test", user_max_new_tokens=48,
-                            user_max_total_len=2048),
+                            user_max_total_len=2048, eval_limit=256, eval_fidelity=True, tiny_warm_start=True),
+    # eval_limit: 256 of the 1000 test tasks, a success's 95% interval about +-0.055
     "bfcl": RunSettings(max_new_tokens=512, max_world_tokens=256, max_turns=30, max_total_len=16384,
                         train_split="train", eval_split="test", official_max_turns=NO_EPISODE_CAP,
                         official_context=True),

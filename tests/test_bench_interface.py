@@ -12,7 +12,7 @@ REQUIRED = [name for name, _ in inspect.getmembers(bench.Benchmark, inspect.isfu
 # what each module offers, as bench/__init__.py's table documents it
 OFFERS = {"toyworld": {"checklist", "reference_calls", "world_examples", "LOOKUP_TOOLS"},
           "bfcl": {"checklist", "reference_calls", "ground_truth_trajectory"},
-          "tau2": {"checklist", "ground_truth_trajectory"},
+          "tau2": {"checklist", "ground_truth_trajectory", "pass_hat_k"},
           "vita": {"reference_calls"},
           "finmcp": set()}
 

@@ -106,3 +106,12 @@ def test_results_and_docs_hold_no_machine_paths():
 def test_the_checker_sees_a_machine_path():
     assert MACHINE_PATH.search('"model": "/work/main/runs/x"') and MACHINE_PATH.search("C:\\runs")
     assert not MACHINE_PATH.search('"model": "runs/ws/ckpt/step_000400"') and not MACHINE_PATH.search("a/tmp/b")
+
+
+def test_the_core_branches_on_no_benchmark_by_name():
+    """train.py, evaluate.py and rollout.py ask a benchmark's settings and capabilities, never its name."""
+    from bench import BENCHES
+    for module in ("train", "evaluate", "rollout"):
+        tree = ast.parse((ROOT / f"{module}.py").read_text())
+        names = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in BENCHES]
+        assert not names, (module, names)
