@@ -846,3 +846,15 @@ ASSESS_PREFIX = ("Self-assessment (private; the response above is my prediction,
 ASSESS_OK = "ok: this call is right; commit it."
 ASSESS_ERROR = "revise: it fails with an error."
 ASSESS_WRONG = "revise: the arguments look wrong."
+
+
+def assessment_verdict(text: str) -> str | None:
+    """The verdict of a self-assessment, read in the warm start's vocabulary (ASSESS_OK, ASSESS_ERROR,
+    ASSESS_WRONG): "ok" (commit it), "fails" (revise: it errors), "wrong" (revise: the arguments look wrong);
+    None when the text starts with neither "ok" nor "revise"."""
+    t = " ".join(str(text).split()).lower()
+    if re.match(r"ok\b", t):
+        return "ok"
+    if t.startswith("revise"):
+        return "fails" if "fail" in t or "error" in t else "wrong"
+    return None

@@ -22,7 +22,7 @@ over tasks of C(c,k)/C(n,k), c = trials with reward 1), tool precision/recall/F1
 (FinMCP), world-model fidelity on real calls (`--fidelity`, on by default for toyworld), and what rehearsal
 cost: extra sampled + fed tokens and seconds per committed turn and per committed call.
 
-With B > 0, rehearsal diagnostics (rehearse.rehearsal_diagnostics, verifier side, after each episode: every
+With B > 0, rehearsal diagnostics (diagnostics.rehearsal_diagnostics, verifier side, after each episode: every
 proposal is executed on a fresh environment rebuilt to its turn's state, nothing reaches the policy): per
 committed turn in the JSONL ("rehearsal_diagnostics": "turns" and "counts"), summed per run in summary.json
 (runs.B=N.rehearsal_diagnostics) and in the table (rows "rehearsal ..."): how often the self-assessment's
@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import diagnostics
 import kvbatch
 import policy
 import rehearse
@@ -257,7 +258,7 @@ def summarize(bench_name: str, records: list[dict], k: int, fidelity_on: bool = 
                                "predicted_errors": sum(f["predicted_error"] for f in pairs)}
     diagnosed = [r["rehearsal_diagnostics"]["counts"] for r in records if "rehearsal_diagnostics" in r]
     if diagnosed:
-        summary["rehearsal_diagnostics"] = rehearse.diagnostic_summary(diagnosed)
+        summary["rehearsal_diagnostics"] = diagnostics.diagnostic_summary(diagnosed)
     st = [r["stats"] for r in records]
     tot = {key: sum(s.get(key, 0) for s in st) for key in
            ("committed_turns", "committed_calls", "committed_checked", "rehearsals", "extra_sampled", "extra_fed",
@@ -500,9 +501,9 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
                    "fidelity": ep.fidelity,
                    "stats": {k: v for k, v in ep.stats.items()}}
             if budget > 0:   # verifier side, after the episode: proposals run on a rebuilt copy of the env
-                turns = rehearse.rehearsal_diagnostics(task, traj, ep.rehearsals, mod.make_env, eng.fmt,
+                turns = diagnostics.rehearsal_diagnostics(task, traj, ep.rehearsals, mod.make_env, eng.fmt,
                                                        reference_calls(mod, task))
-                rec["rehearsal_diagnostics"] = {"counts": rehearse.diagnostic_counts(turns), "turns": turns}
+                rec["rehearsal_diagnostics"] = {"counts": diagnostics.diagnostic_counts(turns), "turns": turns}
             rec = _jsonable(rec)
             fh.write(json.dumps(rec) + "\n")
             fh.flush()

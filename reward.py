@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from bench import Score, Task, Trajectory, load_bench, optional
-from rehearse import fidelity, replay_call
+from diagnostics import fidelity, replay_call
 
 
 def toyworld_reward(task: Task, traj: Trajectory) -> Score:
@@ -106,7 +106,7 @@ def trajectory_reward(bench: str, task: Task, traj: Trajectory, rehearsal_defect
 
 
 def rehearsal_fidelity(bench: str, task: Task, traj: Trajectory) -> list[tuple[str, dict]]:
-    """(tool name, rehearse.fidelity(predicted, real)) for each call whose response the policy rehearsed.
+    """(tool name, diagnostics.fidelity(predicted, real)) for each call whose response the policy rehearsed.
 
     Verifier logic, run after the rollout: the trajectory's calls are replayed in order on a fresh real
     environment (so each real response sees the state the earlier calls left) and each rehearsed response

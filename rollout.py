@@ -30,6 +30,7 @@ import json
 import time
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Protocol
 
 import torch
@@ -153,6 +154,34 @@ class RowHooks(Protocol):
         """After call number `index` got its real response `text` (compare it with a probe's prediction)."""
 
 
+class RowState(Enum):
+    """Where a row is in the decode loop; `Row.state` reads it off the row's fields. Each decode step feeds
+    every FEEDING row, forks every cached SPAWNING row, samples every SAMPLING row; a segment's end applies
+    the row's plan (Engine.advance) and lands it in the state its next item asks for."""
+    FEEDING = "feeding"     # tokens appended (scaffolding, an observation, a user turn) that the cache lacks
+    SAMPLING = "sampling"   # a segment (Generate) is open and every token cached: one token this step
+    SPAWNING = "spawning"   # asked for child rows (Spawn): they fork its cache once its tokens are cached
+    WAITING = "waiting"     # its children run; the last to end resumes it (Spawn.then, then its plan)
+    DONE = "done"           # ended (Row.finish): it leaves the batch at the end of the step
+
+
+# A row joins the batch FEEDING (its prompt), SPAWNING (a hook before its first turn asks for children) or, as
+# a child, SAMPLING (its context is its parent's cache). From one decode step to the next it moves only so
+# (from, to) -> the event; several events inside one step show as one change (fed, forked and waiting).
+ROW_TRANSITIONS = {
+    (RowState.FEEDING, RowState.SAMPLING): "fed: the forward cached its appended tokens; its open segment samples",
+    (RowState.SAMPLING, RowState.SAMPLING): "a token that does not end the segment",
+    (RowState.SAMPLING, RowState.FEEDING): "the segment ended; its plan appended what follows (scaffolding, a "
+                                           "response, a user turn) and opened the next segment",
+    (RowState.SAMPLING, RowState.DONE): "the segment ended the row (an answer, a limit, an error; a child's end)",
+    (RowState.SPAWNING, RowState.WAITING): "cached: its children forked off its cache row",
+    (RowState.WAITING, RowState.WAITING): "a child still runs",
+    (RowState.WAITING, RowState.SPAWNING): "its last child ended; the continuation appended the chosen turn and the "
+                                           "hook before the next turn asks for children again",
+    (RowState.WAITING, RowState.DONE): "its last child ended and the continuation ended the row",
+}
+
+
 class Row:
     """One token sequence being generated: a trajectory, or a private branch of one (rehearse.py)."""
 
@@ -189,6 +218,18 @@ class Row:
     def feed(self) -> list[int]:
         """The row's tokens not yet in the KV cache (what the next forward feeds)."""
         return self.ids[self.n_cached:]
+
+    @property
+    def state(self) -> RowState:
+        """Its RowState, read off the fields the loop acts on (done, waiting, spawn, uncached tokens, gen)."""
+        if self.done:
+            return RowState.DONE
+        if self.waiting:
+            return RowState.WAITING
+        if self.spawn is not None:
+            return RowState.SPAWNING
+        # a sampled token waits for the next forward too; FEEDING is appended text the cache lacks
+        return RowState.SAMPLING if self.gen is not None and self.n_cached >= self.gen_start else RowState.FEEDING
 
     @property
     def on_world_lane(self) -> bool:

@@ -555,7 +555,7 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
 
 def reference_calls(task: Task) -> list[ToolCall]:
     """The calls a correct solution makes, in order: what rehearsal diagnostics judge a proposed call against
-    (rehearse.rehearsal_diagnostics, through evaluate.reference_calls)."""
+    (diagnostics.rehearsal_diagnostics, through evaluate.reference_calls)."""
     return [ToolCall(g["name"], dict(g["arguments"])) for g in task.ground_truth["calls"]]
 
 

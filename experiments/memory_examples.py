@@ -2,7 +2,7 @@
 
     python -m experiments.memory_examples --warm-start runs/ws-skip-price/ckpt/step_001500 --steps 200
 
-The warm start's memory examples (rehearse.warm_start_examples) hold, by default, the REAL response of each
+The warm start's memory examples (warm_start.warm_start_examples) hold, by default, the REAL response of each
 proposal and a rule-made judgement, while at test time the memory holds the model's own predictions. Two
 continuations of one warm start, identical but for `--sft-memory real|self` (same seed, so the same task
 draws), then each evaluated on the same held-out tasks at B=0 and B=2 (parallel) with the rehearsal

@@ -55,7 +55,7 @@ def probe_fidelity(checkpoint: str, tasks, kind: str, seed: int) -> dict:
     """Fidelity per tool on fixed calls, independent of how the policy acts: for each held-out task, every
     call of a fixed chat (kind "gold": the reference chat; "random": toyworld.world_examples, valid and
     invalid calls) is given with the real responses before it, and the policy writes that call's response
-    greedily, up to the closing tag; compared with the real one (rehearse.fidelity). Per tool, and split by
+    greedily, up to the closing tag; compared with the real one (diagnostics.fidelity). Per tool, and split by
     whether the real response is an error; and for get_balance calls with a real value, exact beside the chance
 of naming one of the prompt's balances at random (balance_chance)."""
     import random
@@ -66,7 +66,7 @@ of naming one of the prompt's balances at random (balance_chance)."""
     import reward
     import rollout
     from bench import toyworld
-    from rehearse import fidelity
+    from diagnostics import fidelity
     model, tok = policy.load_policy(checkpoint)
     eng = rollout.Engine(model.eval(), tok)
     fmt, pairs, balance_values = eng.fmt, [], []

@@ -1,4 +1,4 @@
-"""Rehearsal diagnostics (rehearse.rehearsal_diagnostics): the self-assessment's verdict against the proposal's
+"""Rehearsal diagnostics (diagnostics.rehearsal_diagnostics): the self-assessment's verdict against the proposal's
 real outcome, committed turns that differ from the first proposal, and whether that helped or hurt; measured on
 hand-made episodes and on scripted test-time rehearsals of the toy world."""
 import json
@@ -6,12 +6,14 @@ import types
 
 import pytest
 
+import diagnostics
 import evaluate
 from evaluate import reference_calls
 import rehearse
 from bench import ToolCall, Trajectory, toyworld
-from chat_format import ASSESS_ERROR, ASSESS_OK, ASSESS_WRONG, parse_turn
-from rehearse import RehearsalConfig, act, assessment_verdict, diagnostic_counts, rehearsal_diagnostics
+from chat_format import ASSESS_ERROR, ASSESS_OK, ASSESS_WRONG, assessment_verdict, parse_turn
+from diagnostics import diagnostic_counts, rehearsal_diagnostics
+from rehearse import RehearsalConfig, act
 from rollout import Engine, SamplingConfig
 from tests.scripted import Script, call_text
 
@@ -99,12 +101,12 @@ def test_verdicts_are_read_in_the_warm_start_vocabulary():
 
 
 def test_agreement_and_effect_rules():
-    agrees = rehearse.assessment_agrees
+    agrees = diagnostics.assessment_agrees
     assert agrees("ok", "right") and agrees("fails", "error") and agrees("wrong", "error") and agrees("wrong", "wrong")
     assert agrees("ok", "ok") and agrees("fails", "wrong") and agrees("ok", "error") is False  # revise either way
     assert agrees("fails", "ok") is False and agrees("ok", "wrong") is False
     assert agrees("wrong", "ok") is None and agrees(None, "error") is None and agrees("ok", "unmeasured") is None
-    effect = rehearse.change_effect
+    effect = diagnostics.change_effect
     assert effect("error", "right") == effect("error", "ok") == effect("wrong", "right") == "helped"
     assert effect("right", "error") == effect("right", "wrong") == "hurt"
     assert effect("error", "error") == effect("wrong", "wrong") == "neutral"
@@ -126,13 +128,13 @@ def test_hand_made_episode_counts_agree_changed_helped_hurt():
     assert turns[0]["proposals"][1]["real"] == ['{"balance": 2}']
     assert turns[2]["committed"]["real"] == ['{"fay": 1, "dee": 7}']
     c = diagnostic_counts(turns)
-    assert {k: c[k] for k in rehearse.DIAGNOSTIC_COUNTS} == {
+    assert {k: c[k] for k in diagnostics.DIAGNOSTIC_COUNTS} == {
         "turns": 4, "rehearsed_turns": 4, "assessed": 7, "verdict_unparsed": 1, "assess_unmeasured": 0,
         "assess_agree": 3, "assess_disagree": 3, "changed": 3, "unchanged": 1, "helped": 2, "hurt": 1, "neutral": 0,
         "effect_unmeasured": 0}
     assert c["verdict_vs_outcome"] == {"fails/error": 1, "ok/error": 1, "ok/right": 2, "ok/wrong": 1,
                                        "unparsed/error": 1, "wrong/right": 1}
-    s = rehearse.diagnostic_summary([c, c])
+    s = diagnostics.diagnostic_summary([c, c])
     assert s["assessed"] == 14 and s["assess_agree_rate"] == 0.5 and s["changed_rate"] == 0.75
     assert s["helped_rate"] == pytest.approx(2 / 3) and s["hurt_rate"] == pytest.approx(1 / 3)
     assert s["verdict_vs_outcome"]["ok/right"] == 4

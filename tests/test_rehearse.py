@@ -6,8 +6,12 @@ import re
 import pytest
 import torch
 
+import chat_format
 import rehearse
-from rehearse import ASSESS_PREFIX, MEMORY_HEAD, RehearsalConfig, act, fidelity, memory_text
+import warm_start
+from chat_format import ASSESS_PREFIX, MEMORY_HEAD
+from diagnostics import fidelity
+from rehearse import RehearsalConfig, act, memory_text
 from rollout import Engine, Role, SamplingConfig
 from tests.scripted import TOOLS, EchoEnv, Script, call_text, tasks
 
@@ -229,7 +233,7 @@ def test_warm_start_examples_are_laid_out_as_test_time_rehearsal(eng, micro64, s
     _, tok = micro64
     task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
     messages = toyworld.reference_messages(task)
-    assess_ex, memory_ex = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env,
+    assess_ex, memory_ex = warm_start.warm_start_examples(eng, task, messages, toyworld.make_env,
                                                         random.Random(seed), budgets=(1,))
     proposal, assessment = _spans(*assess_ex, Role.ACT)
     (world,) = _spans(*assess_ex, Role.WORLD)
@@ -251,13 +255,13 @@ def test_perturbed_arguments_differ_and_assessments_follow_the_rule():
     rng = random.Random(0)
     for args in ({"account": "ann"}, {"src": "ann", "dst": "bob", "amount": 5}, {"qty": 1}, {"item": "pen"}):
         for _ in range(50):
-            out = rehearse.perturb_arguments(args, ["ann", "bob", "cal"], rng)
+            out = warm_start.perturb_arguments(args, ["ann", "bob", "cal"], rng)
             assert out != args and set(out) == set(args)
             assert sum(out[k] != args[k] for k in args) == 1
-    assert rehearse.perturb_arguments({"flag": True}, [], rng) == {"flag": True}
-    assert rehearse.assessment_for(True, '{"error": "x"}') == rehearse.ASSESS_OK
-    assert rehearse.assessment_for(False, '{"error": "x"}') == rehearse.ASSESS_ERROR
-    assert rehearse.assessment_for(False, '{"balance": 3}') == rehearse.ASSESS_WRONG
+    assert warm_start.perturb_arguments({"flag": True}, [], rng) == {"flag": True}
+    assert warm_start.assessment_for(True, '{"error": "x"}') == chat_format.ASSESS_OK
+    assert warm_start.assessment_for(False, '{"error": "x"}') == chat_format.ASSESS_ERROR
+    assert warm_start.assessment_for(False, '{"balance": 3}') == chat_format.ASSESS_WRONG
 
 
 MEMORY_LINE = re.compile(r"\[(\d)\] (\w+)\((\{.*?\})\) -> predicted (.*)\n    assessment: (.*)\n")
@@ -283,8 +287,8 @@ def test_self_memory_holds_the_models_own_predictions_judged_by_the_rule(eng, mi
     ref_args = toyworld.reference_calls(task)[0].arguments
     forced = ['{"error": "unknown account: zzz"}', '{"balance": 777}', '{"balance": 5}', '{"error": "nope"}']
     steer = Script(tok, {}, {k: [[text + "\n</tool_response>"]] for k, text in enumerate(forced)})
-    real = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,))
-    own = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,),
+    real = warm_start.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,))
+    own = warm_start.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(seed), budgets=(4,),
                                        memory="self", sampling=SamplingConfig(max_world_tokens=24), steer=steer)
     assert own[0] == real[0]                              # the assessment example is untouched
     real_lines, own_lines = memory_lines(tok, real[1]), memory_lines(tok, own[1])
@@ -295,12 +299,12 @@ def test_self_memory_holds_the_models_own_predictions_judged_by_the_rule(eng, mi
         assert args == real_args and predicted == want                    # the same proposals, own predictions
         env = toyworld.make_env(task)
         assert real_predicted == env.step("get_balance", args) != predicted
-        rule = rehearse.assessment_for(args == ref_args, predicted)
+        rule = warm_start.assessment_for(args == ref_args, predicted)
         assert assessment == rule
         if args != ref_args:   # a wrong call: what the prediction shows decides between "fails" and "wrong"
-            assert assessment == (rehearse.ASSESS_ERROR if "error" in want else rehearse.ASSESS_WRONG)
+            assert assessment == (chat_format.ASSESS_ERROR if "error" in want else chat_format.ASSESS_WRONG)
     with pytest.raises(ValueError, match="real, self"):
-        rehearse.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(0), memory="guess")
+        warm_start.warm_start_examples(eng, task, messages, toyworld.make_env, random.Random(0), memory="guess")
 
 
 def test_self_memory_predicts_what_test_time_rehearsal_writes(eng, micro64):
@@ -314,7 +318,7 @@ def test_self_memory_predicts_what_test_time_rehearsal_writes(eng, micro64):
     for seed in (0, 3):
         task = toyworld.load_tasks("train", limit=1, seed=seed, families="balance")[0]
         messages = toyworld.reference_messages(task)
-        assess_ex, memory_ex = rehearse.warm_start_examples(eng, task, messages, toyworld.make_env,
+        assess_ex, memory_ex = warm_start.warm_start_examples(eng, task, messages, toyworld.make_env,
                                                             random.Random(seed), budgets=(1,), memory="self",
                                                             sampling=cfg)
         proposal = _spans(*assess_ex, Role.ACT)[0]
@@ -402,3 +406,48 @@ def test_an_answer_ahead_of_a_checked_call_is_committed(eng, micro64, commit):
         assert committed_text(ep, tok).endswith(tok.decode(first[0]["tokens"]))
     else:
         assert ep.stats["memory_tokens"] > 0
+
+
+def test_every_row_transition_is_declared_and_every_declared_one_is_walked(eng, micro64, monkeypatch):
+    """Snapshots of every row's RowState at each decode step (and as it leaves): every observed change is in
+    rollout.ROW_TRANSITIONS, and the scenarios below (a training rollout with rehearsed responses, test-time
+    rehearsal with its child rows in both modes) walk every declared one."""
+    import kvbatch
+    from rollout import ROW_TRANSITIONS, RowState
+    _, tok = micro64
+    last, seen, first = {}, set(), set()
+    real_feed, real_drop = kvbatch.KVBatch.feed, kvbatch.KVBatch.drop
+
+    def note(r):
+        s = r.state
+        if id(r) in last:
+            seen.add((last[id(r)], s))
+        else:
+            first.add(s)
+        last[id(r)] = s
+
+    def feed(self, *a, **kw):
+        for r in self.rows:
+            note(r)
+        return real_feed(self, *a, **kw)
+
+    def drop(self, rows, *a, **kw):
+        for r in rows:
+            note(r)
+            last.pop(id(r), None)
+        return real_drop(self, rows, *a, **kw)
+    monkeypatch.setattr(kvbatch.KVBatch, "feed", feed)
+    monkeypatch.setattr(kvbatch.KVBatch, "drop", drop)
+    cfg = SamplingConfig(greedy=True, max_new_tokens=80, seed=0)
+    eng.run(tasks(2), 2, cfg, make_env=lambda t: EchoEnv(), responses="rehearse",
+            steer=Script(tok, {s: [LOOKUP, ANSWER] for s in range(4)}, {s: [SECRET] for s in range(4)}))
+    for mode in ("parallel", "sequential"):
+        private = [PING, ASSESS] * (2 if mode == "sequential" else 1) + [ANSWER]
+        script = Script(tok, {0: [LOOKUP, ANSWER], 1: private, 2: private}, {1: [SECRET] * 2, 2: [SECRET] * 2})
+        act(eng, tasks(1)[0], cfg, CountingEnv(), RehearsalConfig(judge="assessment", budget=2, mode=mode),
+            steer=script)
+    undeclared = seen - set(ROW_TRANSITIONS)
+    assert not undeclared, undeclared
+    unwalked = set(ROW_TRANSITIONS) - seen
+    assert first == {RowState.FEEDING, RowState.SPAWNING, RowState.SAMPLING}
+    assert not unwalked, unwalked

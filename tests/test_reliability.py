@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import checkpoint
+import diagnostics
 import distributed
 import grpo
 import policy
@@ -344,7 +345,7 @@ def test_rehearsal_validator_on_generated_responses(micro64):
             except (ValueError, RecursionError):
                 valid = False
             assert ("invalid_json" in defects) == (bool(text.strip()) and not valid), text[:80]
-            rehearse.fidelity(text, '{"balance": 3}')      # the probe's comparison is total too
+            diagnostics.fidelity(text, '{"balance": 3}')      # the probe's comparison is total too
             n += 1
     print(f"\nrehearsal validator: {n} generated responses")
 

@@ -273,7 +273,6 @@ def afford_task():
 def test_world_response_tools_name_every_world_stretch_in_every_warm_start_layout(micro_path):
     import random as _random
 
-    import rehearse
     from bench import toyworld as tw
     model, tok = policy.load_policy(str(micro_path))
     engine = rollout.Engine(model, tok)
@@ -281,7 +280,7 @@ def test_world_response_tools_name_every_world_stretch_in_every_warm_start_layou
     ref = tw.reference_messages(task)
     world = tw.world_examples(task, _random.Random(3), 4)
     layouts = [(rollout.encode_conversation(engine, task, m), m) for m in (ref, world)]
-    layouts += [(ex, None) for ex in rehearse.warm_start_examples(engine, task, ref, tw.make_env, _random.Random(1))]
+    layouts += [(ex, None) for ex in warm_start.warm_start_examples(engine, task, ref, tw.make_env, _random.Random(1))]
     assert int(Role.WORLD) in layouts[2][0][1]   # the assessment example holds its proposal's response
     for (ids, roles), messages in layouts:
         spans = warm_start.world_response_tools(engine, task, ids, roles)
@@ -370,15 +369,15 @@ def test_role_weights_and_subconfigs_follow_the_config():
 
 def test_sft_memory_self_builds_memory_lines_with_the_model(micro_path, tmp_path, monkeypatch):
     """--sft-memory self: the warm start's memory examples are built from the model's own predictions
-    (rehearse.predict_responses, sampled with the rollout config); real (default) never generates."""
-    import rehearse
+    (diagnostics.predict_responses, sampled with the rollout config); real (default) never generates."""
+    import diagnostics
     calls = []
-    real_predict = rehearse.predict_responses
+    real_predict = diagnostics.predict_responses
 
     def counting(eng, task, contexts, cfg, steer=None):
         calls.append((len(contexts), cfg.max_world_tokens, cfg.temperature))
         return real_predict(eng, task, contexts, cfg, steer)
-    monkeypatch.setattr(rehearse, "predict_responses", counting)
+    monkeypatch.setattr(warm_start, "predict_responses", counting)
     base = ["--model", str(micro_path), "--steps", "0", "--sft-steps", "2", "--sft-batch", "4",
             "--sft-rehearsal-frac", "1", "--max-world-tokens", "6", "--save-every", "10"]
     res = run_train(base + ["--out", str(tmp_path / "real")])
