@@ -450,17 +450,19 @@ def finished_records(path: Path) -> dict:
     return done
 
 
-def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
+def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on, world_engine=None, user_engine=None):
     """Every (task, trial) at rehearsal budget `budget` on the real environment (rehearse.act_many), scored by
     the benchmark; writes one JSONL line per trajectory to out_path as it ends and returns the records in task
-    order. Trajectories already in out_path (a stopped run of the same config) are kept, not rerun."""
+    order. Trajectories already in out_path (a stopped run of the same config) are kept, not rerun.
+    world_engine: a separate model writing the rehearsed responses; user_engine: the simulated user's engine
+    (default: the policy itself, in its own context)."""
     oracle = getattr(args, "world_model", "") == "oracle"
     rcfg = rehearse.RehearsalConfig(budget=budget, mode=args.rehearsal_mode, fidelity=fidelity_on,
                                     commit=getattr(args, "rehearsal_commit", "checked"),
                                     judge=getattr(args, "rehearsal_judge", "prediction"),
                                     world="oracle" if oracle else "model")
     # benchmarks with a simulated user (tau2, vita) get the policy itself playing the user, in its own context
-    user_eng = getattr(args, "user_engine", None) or eng
+    user_eng = user_engine or eng
     limits = settings.settings_for(mod.NAME)
     make_env = make_env_fn(mod, model_user_fn(user_eng, SamplingConfig(
         temperature=args.temperature, top_p=args.top_p, greedy=args.greedy, seed=args.seed,
@@ -510,7 +512,7 @@ def run_budget(eng, mod, tasks, args, budget, out_path, fidelity_on):
             records[k] = rec
             bar.update(1)
 
-        rehearse.act_many(eng, [specs[k] for k in todo], rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=args.world_engine,
+        rehearse.act_many(eng, [specs[k] for k in todo], rcfg, max_rows=args.max_rows or 64, on_done=done, world_model=world_engine,
                           memory_budget=budget_bytes(args), oracle_env=mod.make_env if oracle else None)
     bar.close()
     return records
@@ -542,14 +544,35 @@ def model_context(model_name: str) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
-def resolve_limits(args, context: int | None = None):
-    """Fill the limit flags left unset from the benchmark's run settings under --protocol
-    (bench/settings.py eval_limits; with --protocol paper the resolution train.py uses). context: the model's
-    context length, the official protocol's max_total_len where the benchmark has no limit of its own."""
-    overrides = {k: getattr(args, k) for k in settings.LIMIT_FIELDS}
-    for key, value in settings.eval_limits(args.bench, args.protocol, context, **overrides).items():
-        setattr(args, key, value)
-    return args
+class EvalConfig(argparse.Namespace):
+    """The evaluation's command line with every unset value resolved (resolve_config): read-only once built,
+    as train.py's TrainConfig.resolved() is, so nothing later changes what the summary reports."""
+
+    def __init__(self, **values):
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"the evaluation config is resolved and read-only (tried to set {key})")
+
+
+def resolve_config(args: argparse.Namespace, context: int | None = None) -> EvalConfig:
+    """The parsed flags with each None filled from the benchmark's run settings (bench/settings.py): the split,
+    temperature and top-p, and the limits under --protocol (eval_limits; with --protocol paper the resolution
+    train.py uses). context: the model's context length, the official protocol's max_total_len where the
+    benchmark has no limit of its own. The parsed Namespace is left as it was."""
+    s = settings.settings_for(args.bench)
+    values = dict(vars(args))
+    values["temperature"], values["top_p"] = sampling_defaults(args.bench, args.temperature, args.top_p)
+    values["split"] = args.split or s.eval_split
+    overrides = {k: values[k] for k in settings.LIMIT_FIELDS}
+    values.update(settings.eval_limits(args.bench, args.protocol, context, **overrides))
+    return EvalConfig(**values)
+
+
+def resolve_limits(args, context: int | None = None) -> EvalConfig:
+    """resolve_config, for the callers that ask for the limits."""
+    return resolve_config(args, context)
 
 
 def sampling_defaults(bench: str, temperature: float | None, top_p: float | None) -> tuple[float, float]:
@@ -561,13 +584,17 @@ def sampling_defaults(bench: str, temperature: float | None, top_p: float | None
 def main(argv=None) -> int:
     """Load the model and the split, run every budget, write summary.json and print the table."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.temperature, args.top_p = sampling_defaults(args.bench, args.temperature, args.top_p)
+    parsed = parser.parse_args(argv)
+    model_name = resolve_model(parsed.model)
+    try:
+        context = model_context(model_name) if settings.settings_for(parsed.bench).official_context else None
+    except policy.PolicyLoadError as exc:
+        parser.error(str(exc))
+    args = resolve_config(parsed, context)
     if not args.greedy and args.temperature <= 0:
         parser.error(f"--temperature must be > 0 (or pass --greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    args.split = args.split or settings.settings_for(args.bench).eval_split
     if args.memory_budget is not None and not args.memory_budget > 0:
         parser.error(f"--memory-budget must be a positive number of GB, got {args.memory_budget}")
 
@@ -594,12 +621,6 @@ def main(argv=None) -> int:
     if kind == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {device} was asked for but CUDA is not available here; use --device cpu or auto")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model_name = resolve_model(args.model)
-    try:
-        context = model_context(model_name) if settings.settings_for(args.bench).official_context else None
-    except policy.PolicyLoadError as exc:
-        parser.error(str(exc))
-    resolve_limits(args, context)
     world = args.world_model
     saved_world = Path(model_name) / "world_model"
     if world == "separate" and not (saved_world / "config.json").exists():
@@ -629,7 +650,7 @@ def main(argv=None) -> int:
                      f"cache, over the memory budget of {have / 2**30:.1f} GB; pass a smaller --max-total-len or "
                      "a larger --memory-budget")
 
-    args.world_engine = None     # the world model's module (None: the policy writes WORLD segments)
+    world_engine = None          # the world model's module (None: the policy writes WORLD segments)
     if world == "oracle":
         print("world model: oracle, the real environment answers the rehearsed calls", file=sys.stderr)
     elif world != "shared":
@@ -639,13 +660,13 @@ def main(argv=None) -> int:
             parser.error(f"--world-model: {exc}")
         if wtok.get_vocab() != eng.tok.get_vocab():
             parser.error(f"--world-model {world} has another tokenizer than the policy; both read one token sequence")
-        args.world_engine = wm.eval()
+        world_engine = wm.eval()
         print(f"world model: {world} writes the rehearsed responses", file=sys.stderr)
-    args.user_engine = None
+    user_engine = None
     if args.user_model:   # the user model keeps its own template and variables
         try:
-            args.user_engine = load_engine(args.user_model, dtype=dtype, device=device)
-            args.user_engine.model.eval()
+            user_engine = load_engine(args.user_model, dtype=dtype, device=device)
+            user_engine.model.eval()
         except (policy.PolicyLoadError, TemplateError) as exc:
             parser.error(f"--user-model: {exc}")
     claim_out(out, identity, args.overwrite)
@@ -653,7 +674,7 @@ def main(argv=None) -> int:
     runs, records_by_run, t0 = {}, {}, time.perf_counter()
     for b in budgets:
         path = out / f"trajectories_B{b}_{args.rehearsal_mode}.jsonl"
-        records = run_budget(eng, mod, tasks, args, b, path, fidelity_on)
+        records = run_budget(eng, mod, tasks, args, b, path, fidelity_on, world_engine, user_engine)
         records_by_run[f"B={b}"] = records
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": path.name}
     paired = paired_comparisons(records_by_run) if len(runs) > 1 else {}

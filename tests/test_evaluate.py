@@ -160,3 +160,12 @@ def test_sampling_defaults_are_the_benchmark_settings(monkeypatch):
     assert evaluate.sampling_defaults("toyworld", None, None) == (0.7, 0.9)
     assert train.TrainConfig().resolved().temperature == 0.8
     assert train.TrainConfig(temperature=1.0).resolved().temperature == 1.0
+
+
+def test_the_resolved_config_is_read_only_and_leaves_the_parsed_flags_alone():
+    parsed = evaluate.build_parser().parse_args(["--bench", "tau2"])
+    cfg = evaluate.resolve_config(parsed, context=40960)
+    assert (cfg.split, cfg.temperature, cfg.top_p, cfg.max_total_len, cfg.max_turns) == ("test", 0.6, 0.95, 40960, 200)
+    assert parsed.split is None and parsed.temperature is None and parsed.max_total_len is None
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.temperature = 1.0

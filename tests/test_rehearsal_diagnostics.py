@@ -284,9 +284,9 @@ def test_evaluate_writes_the_scripted_episodes_diagnostics(eng, micro64, tmp_pat
     script = Script(tok, {0: [GOOD, ANSWER], 1: [BAD, [ASSESS_OK], ANSWER]}, {1: [PREDICTED]})
     act_many = rehearse.act_many
     monkeypatch.setattr(rehearse, "act_many", lambda *a, **kw: act_many(*a, steer=script, **kw))
-    args = types.SimpleNamespace(world_engine=None, rehearsal_mode="parallel", rehearsal_commit="memory", temperature=0.6, top_p=0.95, greedy=True, seed=0,
+    args = types.SimpleNamespace(rehearsal_mode="parallel", rehearsal_commit="memory", temperature=0.6, top_p=0.95, greedy=True, seed=0,
                                  num_trials=1, max_new_tokens=80, max_world_tokens=32, max_turns=8,
-                                 max_total_len=2048, max_rows=None, user_engine=None)
+                                 max_total_len=2048, max_rows=None)
     path = tmp_path / "traj.jsonl"
     records = evaluate.run_budget(eng, toyworld, [task], args, 1, path, False)
     assert json.loads(path.read_text().splitlines()[0]) == records[0]
