@@ -75,25 +75,25 @@ class TrainConfig:
     """Every knob of a run; each field is a flag (--field-name). None means: resolved at start (resolved())."""
     model: str = opt("tiny", "'tiny' (the embedded model, pretrained: weights/tiny-recall), 'tiny-init' (its "
                              "random init), a local HF folder or a .gguf file")
-    chat_template: str = opt("", "a jinja file replacing the model's chat template (default: the model's own)")
-    chat_template_kwargs: str = opt("", "extra chat-template variables as a JSON object, e.g. "
+    chat_template: str | None = opt(None, "a jinja file replacing the model's chat template (default: the model's own)")
+    chat_template_kwargs: str | None = opt(None, "extra chat-template variables as a JSON object, e.g. "
                                         "'{\"enable_thinking\": false}' (default: those saved with the model)")
-    tool_call_format: str = opt("", "how the model writes tool calls (default: inferred from the chat template)",
+    tool_call_format: str | None = opt(None, "how the model writes tool calls (default: inferred from the chat template)",
                                 list(CALL_FORMATS))
     bench: str = opt(DEFAULT_BENCH, "benchmark to train on", list(BENCHES))
-    split: str = opt("", f"split to train on (default: {PER_BENCH}: tau2's own train split, BFCL's train half)")
-    task_opts: str = opt("", "extra load_tasks options as key=value,key=value (e.g. domain=airline)")
-    out: str = opt("", "run folder (default: runs/MODEL-BENCH, e.g. runs/tiny-toyworld)")
+    split: str | None = opt(None, f"split to train on (default: {PER_BENCH}: tau2's own train split, BFCL's train half)")
+    task_opts: str | None = opt(None, "extra load_tasks options as key=value,key=value (e.g. domain=airline)")
+    out: str | None = opt(None, "run folder (default: runs/MODEL-BENCH, e.g. runs/tiny-toyworld)")
     env: str = opt("rehearse", "who writes tool responses in GRPO rollouts: rehearse (the policy's world role, "
                                "EnvACE), real (the environment), sim (a frozen simulator)", ["rehearse", "real", "sim"])
-    sim_model: str = opt("", "--env sim: the frozen simulator, a local HF folder (default: a frozen copy of the "
+    sim_model: str | None = opt(None, "--env sim: the frozen simulator, a local HF folder (default: a frozen copy of the "
                              "policy as GRPO began, kept in RUN/reference/)")
     world_model: str = opt("shared", "shared: one model plays both roles (EnvACE); separate: a second model "
                                      "writes and is trained on the WORLD tokens (per-role policies)",
                            ["shared", "separate"])
-    user_model: str = opt("", "simulated user for tau2/vita, a local HF folder (default: the policy itself)")
-    train_roles: str = opt("auto", "roles whose tokens get the GRPO loss: act,world or act (auto: act,world with "
-                                   "--env rehearse, else act)")
+    user_model: str | None = opt(None, "simulated user for tau2/vita, a local HF folder (default: the policy itself)")
+    train_roles: str | None = opt(None, "roles whose tokens get the GRPO loss: act,world or act (default: act,world "
+                                   "with --env rehearse, else act)")
     steps: int = opt(30, "GRPO steps (after --sft-steps warm-start steps)")
     tasks_per_step: int = opt(8, "tasks per GRPO step (the paper: 16)")
     group_size: int = opt(4, "rollouts per task: the GRPO group (the paper: 4)")
@@ -120,8 +120,8 @@ class TrainConfig:
     per_role_adv: bool = opt(True, "role-wise groups: each role normalised over the rows that hold it")
     act_weight: float = opt(1.0, "loss weight of ACT tokens")
     world_weight: float = opt(1.0, "loss weight of WORLD tokens")
-    reward: str = opt("auto", "checklist (share of rule-based items met), success (binary task score); auto: "
-                              "checklist where the benchmark has one", ["checklist", "success", "auto"])
+    reward: str | None = opt(None, "checklist (share of rule-based items met), success (binary task score); "
+                              "default: checklist where the benchmark has one", ["checklist", "success"])
     defect_penalty: float = opt(0.1, "reward lost per defect of a rehearsed response (when WORLD is trained)")
     sft_steps: int | None = opt(None, "supervised warm-start steps on reference chats before GRPO (default on "
                                       "toyworld: 400 for tiny, 1600 for tiny-init; else 0)")
@@ -135,7 +135,7 @@ class TrainConfig:
                                   "ones (self)", ["real", "self"])
     sft_world_frac: float = opt(0.0, "share of warm-start sequences that are world examples (toy world only)")
     sft_world_lookup: float = opt(0.0, "share of world-example calls that are valid lookups (the rest random)")
-    sft_world_skip: str = opt("", "comma list of tools whose responses get no warm-start loss (mechanism test)")
+    sft_world_skip: str | None = opt(None, "comma list of tools whose responses get no warm-start loss (mechanism test)")
     beta2: float = opt(0.95, "AdamW beta2")
     sft_roles: str = opt("act,world", "roles trained in the warm start")
     seed: int = opt(0, "seed of task draws, sampling and init")
@@ -144,38 +144,37 @@ class TrainConfig:
                          "WANDB_MODE is set)", choices=["none", "tensorboard", "wandb"])
     keep_checkpoints: int = opt(3, "step_N folders kept (older ones removed after each save); 0 keeps all")
     chunk_size: int = opt(1024, "positions per LM-head chunk in the log-prob pass")
-    activation_checkpointing: str = opt("auto", "recompute each decoder layer in backward instead of keeping its "
+    activation_checkpointing: str | None = opt(None, "recompute each decoder layer in backward instead of keeping its "
                                                 "activations (a 16k-token row of an 8B model keeps ~80 GB without "
-                                                "it); auto: on for a real model, off for tiny", ["auto", "on", "off"])
+                                                "it); default: on for a real model, off for tiny", ["on", "off"])
     max_bad_steps: int = opt(3, "consecutive non-finite steps before the run stops")
     overwrite: bool = opt(False, "replace an existing --out folder")
     require_update: bool = opt(True, "exit 1 when no GRPO step of the run had a learning signal (every group flat "
                                      "or nothing trained); --no-require-update for smoke runs: a warning instead")
 
     def resolved(self) -> "TrainConfig":
-        """A copy with every None (and the 'auto' choices) replaced by its value for this model and benchmark.
-        Runs saved before these were None stored -1 for 'auto': read the same."""
+        """A copy with every None replaced by its value for this model and benchmark (None is the one "unset")."""
         c = TrainConfig(**asdict(self))
         tiny = c.model in policy.TINY_NAMES
         bench = settings.settings_for(c.bench)
-        if c.lr is None or c.lr < 0:
+        if c.lr is None:
             c.lr = 3e-5 if tiny else 1e-6    # 3e-4 drifts the tiny model below its warm start (results/grpo_lr)
-        if c.sft_steps is None or c.sft_steps < 0:
+        if c.sft_steps is None:
             c.sft_steps = SFT_TINY_STEPS.get(c.model, 0) if bench.tiny_warm_start else 0
         if c.sft_lr is None:    # the random init needs the large step; pretrained weights keep their recall at 1e-3
             c.sft_lr = SFT_TINY_LR.get(c.model, 1e-5)
-        if c.sft_rehearsal_frac is None or c.sft_rehearsal_frac < 0:   # the tiny model never saw the format
+        if c.sft_rehearsal_frac is None:   # the tiny model never saw the format
             c.sft_rehearsal_frac = 0.25 if tiny and bench.tiny_warm_start else 0.0
         for key, value in settings.limits_for(c.bench, **{k: getattr(c, k) for k in settings.LIMIT_FIELDS}).items():
             setattr(c, key, value)
         c.split = c.split or bench.train_split
         c.temperature = bench.train_temperature if c.temperature is None else c.temperature
         c.out = c.out or default_out(c.model, c.bench)
-        if c.train_roles == "auto":
+        if c.train_roles is None:
             c.train_roles = "act,world" if c.env == "rehearse" else "act"
-        if c.activation_checkpointing == "auto":
+        if c.activation_checkpointing is None:
             c.activation_checkpointing = "off" if tiny else "on"
-        if c.reward == "auto":
+        if c.reward is None:
             c.reward = "checklist" if reward.has_checklist(c.bench) else "success"
         return c
 
@@ -233,7 +232,7 @@ def validate(cfg: TrainConfig):
         raise ConfigError(f"--env must be rehearse, real or sim, not {cfg.env!r}")
     if cfg.world_model not in ("shared", "separate"):
         raise ConfigError(f"--world-model must be shared or separate, not {cfg.world_model!r}")
-    roles = set(parse_roles(cfg.train_roles)) if cfg.train_roles != "auto" else set()
+    roles = set(parse_roles(cfg.train_roles)) if cfg.train_roles is not None else set()
     if cfg.env == "sim" and Role.WORLD in roles:
         raise ConfigError("--env sim: the frozen simulator's WORLD tokens are never trained; use --train-roles act "
                           "(the default with --env sim)")
@@ -244,12 +243,12 @@ def validate(cfg: TrainConfig):
     if cfg.world_model == "separate" and (cfg.env != "rehearse" or roles and Role.WORLD not in roles):
         raise ConfigError("--world-model separate trains a second model on the WORLD tokens it writes: it needs "
                           "--env rehearse and WORLD among --train-roles (for an untrained simulator use --env sim)")
-    if cfg.reward not in (*reward.REWARD_KINDS, "auto"):
-        raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)} or auto, not {cfg.reward!r}")
+    if cfg.reward is not None and cfg.reward not in reward.REWARD_KINDS:
+        raise ConfigError(f"--reward must be one of {', '.join(reward.REWARD_KINDS)}, not {cfg.reward!r}")
     if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
         raise ConfigError(f"--reward checklist: benchmark {cfg.bench!r} has no rule-based checklist (toyworld, "
                           "tau2 and bfcl do); use --reward success")
-    parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
+    parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts or "")
     if cfg.steps < 0:
         raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
     positive = ["tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
@@ -289,7 +288,7 @@ def validate(cfg: TrainConfig):
     if cfg.sft_world_frac > 0 and optional(load_bench(cfg.bench), "world_examples") is None:
         raise ConfigError(f"--sft-world-frac needs a benchmark that generates world examples (toyworld); "
                           f"{cfg.bench!r} has none")
-    parse_tool_names(cfg.sft_world_skip)
+    parse_tool_names(cfg.sft_world_skip or "")
     try:
         report.check_available(cfg.report_to)
     except report.ReporterUnavailable as exc:
@@ -526,10 +525,10 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     torch.manual_seed(cfg.seed)
 
     bench = load_bench(cfg.bench)
-    tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts))
+    tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts or ""))
     if not tasks:
         raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
-    world_skip = parse_tool_names(cfg.sft_world_skip)
+    world_skip = parse_tool_names(cfg.sft_world_skip or "")
     known_tools = {t["function"]["name"] for task in tasks[:200] for t in task.tools}
     if world_skip - known_tools:
         raise ConfigError(f"--sft-world-skip names no tool of {cfg.bench!r}: "
@@ -815,6 +814,14 @@ def load_config_files(paths: list[str]) -> dict:
     return out
 
 
+def legacy_unset_to_none(saved: dict) -> dict:
+    """A saved config as this TrainConfig reads it: runs written before None was the one "unset" stored "" or
+    "auto" (and -1 for some numbers) in the fields whose default is now None."""
+    unset = {f.name for f in fields(TrainConfig) if f.default is None}
+    return {k: None if k in unset and (v in ("", "auto") or (isinstance(v, (int, float)) and v == -1)) else v
+            for k, v in saved.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field, its help and choices from the field's metadata."""
     ap = OneLineParser(prog="train.py", description="EnvACE GRPO training (rehearsal by default).",
@@ -863,6 +870,7 @@ def main(argv=None) -> int:
                 raise CheckpointError(f"{run / 'config.json'} is not a config this train.py wrote (unknown fields: "
                                       f"{', '.join(unknown) or 'not an object'}); start a new run with --out")
             saved.setdefault("reward", "success")   # runs written before --reward existed trained on success
+            saved = legacy_unset_to_none(saved)
             cfg = TrainConfig(**{**saved, **args, "out": str(run)})
         else:
             cfg = TrainConfig(**args)

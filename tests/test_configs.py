@@ -64,3 +64,14 @@ def test_a_missing_preset_and_a_preset_on_resume_are_refused(tmp_path):
     assert res.returncode == 2 and "cannot read it" in res.stderr
     res = run_train(["--config", str(ROOT / "configs/default.toml"), "--resume", str(tmp_path)])
     assert res.returncode == 2 and "do not go together" in res.stderr
+
+
+def test_none_is_the_one_unset_and_old_saved_configs_read_the_same():
+    """Every field that is resolved at start defaults to None (no '', 'auto' or -1 sentinels); a config saved
+    with the old sentinels resolves to the same run."""
+    import dataclasses
+    for f in dataclasses.fields(train.TrainConfig):
+        assert f.default not in ("", "auto", -1), f.name
+    old = {**dataclasses.asdict(train.TrainConfig()), "lr": -1, "sft_steps": -1, "reward": "auto",
+           "train_roles": "auto", "activation_checkpointing": "auto", "split": "", "out": "", "task_opts": ""}
+    assert train.TrainConfig(**train.legacy_unset_to_none(old)).resolved() == train.TrainConfig().resolved()
