@@ -17,7 +17,8 @@ import torch
 from chat_format import ASSESS_PREFIX, MEMORY_HEAD, MEMORY_TAIL, CallError, assessment_verdict, validate_rehearsal
 from diagnostics import fidelity, is_error_text, replay_call, replayed_env
 from kvbatch import KVBatch
-from rollout import Generate, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed
+from rollout import (Generate, Response, Role, Row, SamplingConfig, Spawn, Text, current_tools, derive_seed,
+                     tool_turn_plan)
 
 # ==========================================================================================================
 # Test-time private rehearsal (evaluate.py)
@@ -274,23 +275,20 @@ class Rehearser:
             if not stopped or not parsed.items:
                 return                                   # an answer (or a cut-off turn): nothing to rehearse
             oracle = self._oracle(parent) if self.rcfg.world == "oracle" else None
-            for kind, value in fmt.tool_turn(len(parsed.items)):
-                item = parsed.items[value] if kind == "response" else None
-                if kind == "text":
-                    ln.plan.append(Text(value, Role.PROMPT))
-                elif isinstance(item, CallError):
+
+            def respond(_, item):
+                if isinstance(item, CallError):
                     obs = item.observation()
                     ln.record["items"].append({"error": f"{item.kind}: {item.message}", "predicted": obs})
-                    ln.plan += [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
-                elif oracle is not None:                 # the real response on the rebuilt copy, in order
+                    return [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
+                if oracle is not None:                   # the real response on the rebuilt copy, in order
                     obs = replay_call(oracle, item.name, item.arguments)
                     ln.record["items"].append({"name": item.name, "arguments": item.arguments, "predicted": obs,
                                                "oracle": True})
-                    ln.plan += [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
-                else:
-                    ln.record["items"].append({"name": item.name, "arguments": item.arguments, "predicted": ""})
-                    ln.plan.append(Generate(Role.WORLD, cfg.max_world_tokens,
-                                            on_end=on_world(len(ln.record["items"]) - 1)))
+                    return [Text(fmt.response_text(obs), Role.OBS, False), Text(fmt.obs_end, Role.PROMPT)]
+                ln.record["items"].append({"name": item.name, "arguments": item.arguments, "predicted": ""})
+                return [Generate(Role.WORLD, cfg.max_world_tokens, on_end=on_world(len(ln.record["items"]) - 1))]
+            ln.plan.extend(tool_turn_plan(fmt, parsed.items, respond))
             ln.plan.append(Text(ASSESS_PREFIX, Role.PROMPT, False))
             ln.plan.append(Generate(Role.ACT, self.rcfg.max_assess_tokens, on_end=on_assess))
 

@@ -440,16 +440,13 @@ class Engine:
         if row.turn >= cfg.max_turns or (at_task_limit and not cfg.respond_at_turn_limit):
             return row.finish("max_turns")
         # one response per call item: rehearsed (WORLD), executed (OBS), or an error observation (OBS)
-        for kind, value in fmt.tool_turn(len(parsed.items)):
-            item = parsed.items[value] if kind == "response" else None
-            if kind == "text":
-                row.plan.append(Text(value, Role.PROMPT))
-            elif isinstance(item, CallError):
-                row.plan.append(Response(None, item))
-            elif rehearse is not None and rehearse(row.index, item):
-                row.plan.append(Generate(Role.WORLD, cfg.max_world_tokens, call=call_index[value]))
-            else:
-                row.plan.append(Response(call_index[value]))
+        def respond(k, item):
+            if isinstance(item, CallError):
+                return [Response(None, item)]
+            if rehearse is not None and rehearse(row.index, item):
+                return [Generate(Role.WORLD, cfg.max_world_tokens, call=call_index[k])]
+            return [Response(call_index[k])]
+        row.plan.extend(tool_turn_plan(fmt, parsed.items, respond))
         if at_task_limit:            # respond_at_turn_limit: the responses, then the end
             row.end_after_plan = "max_turns"
         else:
@@ -754,6 +751,16 @@ def model_user_fn(engine: Engine, cfg: SamplingConfig | None = None):
         return last.get("content", "")
 
     return user_fn
+
+
+def tool_turn_plan(fmt: ChatFormat, items: list, respond: Callable[[int, object], list]) -> list:
+    """The plan of one tool turn, in the template's order: its scaffolding between the responses, and for each
+    call item (a ToolCall or a CallError) the plan items respond(index, item) returns. The one tool-turn loop:
+    committed rows (Engine.end_act) and private rehearsals (rehearse.py) differ only in `respond`."""
+    plan = []
+    for kind, value in fmt.tool_turn(len(items)):
+        plan += [Text(value, Role.PROMPT)] if kind == "text" else respond(value, items[value])
+    return plan
 
 
 def current_tools(row) -> list[dict]:
