@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 import policy
 from chat_format import CALL_FORMATS
@@ -87,3 +88,31 @@ def add_template_args(parser: argparse.ArgumentParser):
                              "(default: those saved in the checkpoint, if any)")
     parser.add_argument("--tool-call-format", default=None, choices=list(CALL_FORMATS),
                         help="how the model writes tool calls (default: inferred from the chat template)")
+
+
+def load_presets(paths: list[str], kinds: dict[str, str]) -> dict:
+    """Settings from TOML presets, later files over earlier ones. kinds: each known key's type name ("int",
+    "float", "str", "bool"); an [about] table is documentation and is skipped. ValueError, one line, for a
+    missing or malformed file, an unknown key or a value of the wrong type."""
+    import tomllib
+    checks = {"bool": lambda v: isinstance(v, bool), "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "str": lambda v: isinstance(v, str)}
+    out: dict = {}
+    for path in paths:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {path}: not valid TOML ({exc})") from None
+        data.pop("about", None)
+        unknown = sorted(set(data) - set(kinds))
+        if unknown:
+            raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}; the keys are the flags "
+                             "with '_' for '-' (--help)")
+        for key, value in data.items():
+            if not checks.get(kinds[key], lambda v: True)(value):
+                raise ValueError(f"--config {path}: {key} = {value!r} is not a {kinds[key]}")
+        out.update(data)
+    return out

@@ -50,7 +50,7 @@ from chat_format import CALL_FORMATS
 from checkpoint import (WORLD_DIR, CheckpointError, MetricsLog, VocabularyMismatch, grpo_start_snapshot,
                         latest_checkpoint, load_model, load_optimizer_state, read_state, reference_model,
                         save_checkpoint, write_atomic)
-from cli import OneLineParser, parse_task_opts as parse_opts_text, template_kwargs_text
+from cli import OneLineParser, load_presets, parse_task_opts as parse_opts_text, template_kwargs_text
 from distributed import (Dist, all_sum, autocast, enable_activation_checkpointing, gather_sums,
                          gathered_for_generation, setup_dist, shard)
 from grpo import LossConfig, grpo_loss, role_advantages, role_mask, role_weights, token_logprobs
@@ -786,32 +786,11 @@ def progress_fields(record: dict) -> dict:
 
 
 def load_config_files(paths: list[str]) -> dict:
-    """The TrainConfig fields set by TOML presets (configs/*.toml), later files over earlier ones; an [about]
-    table is documentation (experiments/ reads it). ConfigError, one line, for a missing or bad file or key."""
-    import tomllib
-    names = {f.name: f for f in fields(TrainConfig)}
-    out: dict = {}
-    for path in paths:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
-        data.pop("about", None)
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; the keys are train.py's flags "
-                              "with '_' for '-' (python train.py --help)")
-        for key, value in data.items():
-            kind = str(names[key].type)
-            ok = {"bool": isinstance(value, bool), "int": isinstance(value, int) and not isinstance(value, bool),
-                  "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-                  "str": isinstance(value, str)}.get(kind.split(" | ")[0], True)
-            if not ok:
-                raise ConfigError(f"--config {path}: {key} = {value!r} is not a {kind.split(' | ')[0]}")
-        out.update(data)
-    return out
+    """The TrainConfig fields set by TOML presets (configs/*.toml), later files over earlier ones (cli.py)."""
+    try:
+        return load_presets(paths, {f.name: str(f.type).split(" | ")[0] for f in fields(TrainConfig)})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def legacy_unset_to_none(saved: dict) -> dict:
