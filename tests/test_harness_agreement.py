@@ -73,3 +73,22 @@ def test_the_papers_turn_cap_is_what_disagrees_and_only_under_the_paper_protocol
     assert official.agree and official.project == official.official == (1.0, "user_stop")
     assert not paper.agree and paper.project[0] == 0.0
     assert ha.exempt(probe.cls, "paper") and not ha.exempt(probe.cls, "official")
+
+
+def test_llama3_json_probes_agree_through_bfcls_llama_decoder():
+    """A few BFCL probes written in Llama 3.1's llama3_json format (needs its template beside the project):
+    the project's raw-text path gives BFCL's LlamaHandler_3_1 verdict, single and multi-turn."""
+    if not ha.LLAMA_TEMPLATE.exists():
+        pytest.skip(f"{ha.LLAMA_TEMPLATE} is missing (../shared/data beside the project)")
+    ha.PROBE_FORMAT["name"] = "llama3_json"
+    ha.engine.cache_clear()
+    try:
+        probes = [p for p in ha.bfcl_single_probes(0.05) + ha.bfcl_multi_probes(0.05)
+                  if p.cls in ("bfcl/single_ground_truth", "bfcl/hallucinated_name", "bfcl/rejected_spelling",
+                               "bfcl/force_termination")]
+        assert "<|python_tag|>" in probes[0].turns[0][0]
+        outcomes = [ha.run_probe(p) for p in probes]
+    finally:
+        ha.PROBE_FORMAT["name"] = "hermes"
+        ha.engine.cache_clear()
+    assert len(outcomes) >= 8 and not _disagreements(outcomes), _disagreements(outcomes)
