@@ -570,11 +570,6 @@ def resolve_config(args: argparse.Namespace, context: int | None = None) -> Eval
     return EvalConfig(**values)
 
 
-def resolve_limits(args, context: int | None = None) -> EvalConfig:
-    """resolve_config, for the callers that ask for the limits."""
-    return resolve_config(args, context)
-
-
 def sampling_defaults(bench: str, temperature: float | None, top_p: float | None) -> tuple[float, float]:
     """The evaluation's temperature and top-p: the user's, else the benchmark's (bench/settings.py)."""
     s = settings.settings_for(bench)

@@ -64,6 +64,7 @@ class Arm:
     """One arm of the ablation: its train.py flags on top of the shared ones and the official script it mirrors."""
     flags: list[str]      # train.py flags on top of the shared ones
     mirrors: str          # the official script this arm stands for ("" = none)
+    config: dict          # the train.py settings its preset sets
 
 
 ARM_DIR = ROOT / "configs" / "arms"
@@ -75,8 +76,9 @@ def load_arms() -> dict[str, Arm]:
     import tomllib
     arms = {}
     for path in sorted(ARM_DIR.glob("*.toml")):
-        about = tomllib.loads(path.read_text()).get("about", {})
-        arms[path.stem] = Arm(["--config", str(path.relative_to(ROOT))], about.get("mirrors", ""))
+        data = tomllib.loads(path.read_text())
+        about = data.pop("about", {})
+        arms[path.stem] = Arm(["--config", str(path.relative_to(ROOT))], about.get("mirrors", ""), data)
     return arms
 
 
@@ -85,13 +87,7 @@ ARMS = load_arms()
 
 def arm_config(arm: str) -> dict:
     """The train.py settings an arm's preset sets (empty for the warm start)."""
-    import tomllib
-    path = ARM_DIR / f"{arm}.toml"
-    if not path.exists():
-        return {}
-    data = tomllib.loads(path.read_text())
-    data.pop("about", None)
-    return data
+    return dict(ARMS[arm].config) if arm in ARMS else {}
 DEFAULT_ARMS = ["frozen-sim", "per-role", "envace", "real"]
 ROW_ORDER = ["warm-start", "frozen-sim", "per-role", "envace", "act-only", "real"]
 PAPER_ORDER = ["frozen-sim", "per-role", "envace"]          # increasing success, as the paper reports

@@ -33,12 +33,12 @@ def available(name):
 @pytest.mark.parametrize("bench", list(settings.SETTINGS))
 def test_train_and_evaluate_resolve_the_same_limits_under_the_paper_protocol(bench):
     cfg = train.TrainConfig(bench=bench).resolved()
-    args = evaluate.resolve_limits(evaluate.build_parser().parse_args(["--bench", bench, "--protocol", "paper"]),
+    args = evaluate.resolve_config(evaluate.build_parser().parse_args(["--bench", bench, "--protocol", "paper"]),
                                    context=40960)
     for key in settings.LIMIT_FIELDS:
         assert getattr(cfg, key) == getattr(args, key) == getattr(settings.settings_for(bench), key), key
     cfg = train.TrainConfig(bench=bench, max_total_len=999).resolved()
-    args = evaluate.resolve_limits(evaluate.build_parser().parse_args(["--bench", bench, "--max-total-len", "999"]),
+    args = evaluate.resolve_config(evaluate.build_parser().parse_args(["--bench", bench, "--max-total-len", "999"]),
                                    context=40960)
     assert cfg.max_total_len == args.max_total_len == 999
     assert cfg.split == settings.settings_for(bench).train_split
@@ -46,13 +46,13 @@ def test_train_and_evaluate_resolve_the_same_limits_under_the_paper_protocol(ben
 
 def test_the_official_protocol_is_the_default_and_lifts_the_papers_caps_where_a_harness_has_its_own():
     def resolved(bench, *flags):
-        return evaluate.resolve_limits(evaluate.build_parser().parse_args(["--bench", bench, *flags]), context=40960)
+        return evaluate.resolve_config(evaluate.build_parser().parse_args(["--bench", bench, *flags]), context=40960)
     tau2, bfcl, toy = resolved("tau2"), resolved("bfcl"), resolved("toyworld")
     assert tau2.protocol == "official" and tau2.max_turns == 200 and tau2.max_total_len == 40960
     assert bfcl.max_turns == settings.NO_EPISODE_CAP and bfcl.max_total_len == 40960
     assert (toy.max_turns, toy.max_total_len) == (8, 2048)                 # no official harness: its own limits
     assert resolved("tau2", "--max-turns", "12").max_turns == 12          # a limit the user sets wins
-    no_context = evaluate.resolve_limits(evaluate.build_parser().parse_args(["--bench", "bfcl"]), context=None)
+    no_context = evaluate.resolve_config(evaluate.build_parser().parse_args(["--bench", "bfcl"]), context=None)
     assert no_context.max_total_len == settings.settings_for("bfcl").max_total_len
     with pytest.raises(ValueError, match="unknown protocol"):
         settings.eval_limits("tau2", "leaderboard", None)
