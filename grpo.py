@@ -52,13 +52,63 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+MIN_SHARED_PREFIX = 16   # below this a separate prefix pass costs more than it saves
+
+
+def shared_prefix_len(ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading tokens every row of ids [B, T] has in common (real tokens in every row), at most T - 1
+    so each row keeps a suffix; 0 for a single row (nothing to share)."""
+    if ids.shape[0] < 2:
+        return 0
+    same = ((ids == ids[:1]) & attention_mask.bool()).all(0)                            # [T]
+    differs = torch.nonzero(~same)
+    first = int(differs[0]) if differs.numel() else ids.shape[1]
+    return min(first, ids.shape[1] - 1)
+
+
+def prefix_runs(ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Adjacent rows that share a prompt of at least MIN_SHARED_PREFIX tokens, as (first, end, prefix length).
+
+    A run grows while each next row shares at least the run's first two rows' prefix with the first row, so a
+    micro-batch holding two GRPO groups (the same system prompt, different tasks) gives two runs, each with its
+    task's whole prompt. Rows in no run are left out."""
+    B, runs, a = ids.shape[0], [], 0
+    while a + 1 < B:
+        prefix = shared_prefix_len(ids[a:a + 2], attention_mask[a:a + 2])
+        if prefix < MIN_SHARED_PREFIX:
+            a += 1
+            continue
+        b = a + 2
+        while b < B and shared_prefix_len(ids[[a, b]], attention_mask[[a, b]]) >= prefix:
+            b += 1
+        runs.append((a, b, prefix))
+        a = b
+    return runs
+
+
+def _hidden_shared_prefix(model, ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Final hidden states [B, T, H] with the common prefix run once: the prompt of a GRPO group is the same in
+    its G rows, so its forward (and, under autograd, its backward) runs once and its KV cache, still part of the
+    graph, is repeated for the rows' suffixes. Equal to the full forward up to float rounding."""
+    B, T = ids.shape
+    first = model(input_ids=ids[:1, :prefix], attention_mask=attention_mask[:1, :prefix], use_cache=True)
+    cache = first.cache
+    cache.batch_repeat_interleave(B)                                                    # [1, ...] -> [B, ...]
+    positions = torch.arange(prefix, T, device=ids.device)[None].expand(B, -1)
+    rest = model(input_ids=ids[:, prefix:], attention_mask=attention_mask, cache=cache,
+                 position_ids=positions, use_cache=True).logits                           # [B, T - prefix, H]
+    return torch.cat([first.logits.expand(B, -1, -1), rest], dim=1)
+
+
 def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+                   temperature: float = 1.0, chunk_size: int = 1024, share_prefix: bool = True) -> torch.Tensor:
     """log p(ids[b, t] | ids[b, :t]) at positions where `loss_mask` is True; exactly 0 elsewhere.
 
     Only the masked positions go through the LM head, `chunk_size` positions at a time, each chunk under
     activation checkpointing: the peak is one [chunk, V] block instead of [B, T, V], in forward and backward.
     ids/loss_mask/attention_mask: [B, T]; sequences are right-padded (positions 0..len-1).
+    share_prefix: run the prompt adjacent rows have in common (a GRPO group's) once (prefix_runs); off under
+    activation checkpointing, which has no KV cache.
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
@@ -67,7 +117,18 @@ def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_
     head = model.get_output_embeddings()
     model.set_output_embeddings(torch.nn.Identity())
     try:
-        hidden = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits   # [B, T, H]
+        # HF turns the KV cache off under activation checkpointing while training: no prompt to share then
+        checkpointed = getattr(model, "is_gradient_checkpointing", False) and model.training
+        runs = prefix_runs(ids, attention_mask) if share_prefix and not checkpointed else []
+        whole = sorted(set(range(ids.shape[0])) - {i for a, b, _ in runs for i in range(a, b)})
+        parts, order = [], []
+        if whole:                                                       # rows sharing no prompt: one forward
+            parts.append(model(input_ids=ids[whole], attention_mask=attention_mask[whole], use_cache=False).logits)
+            order += whole
+        for a, b, prefix in runs:
+            parts.append(_hidden_shared_prefix(model, ids[a:b], attention_mask[a:b], prefix))
+            order += range(a, b)
+        hidden = torch.cat(parts)[torch.argsort(torch.tensor(order, device=ids.device))]   # [B, T, H]
     finally:
         model.set_output_embeddings(head)
     predict = loss_mask[:, 1:]                                                          # token t from state t-1

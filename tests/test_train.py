@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import distributed
 import grpo
@@ -43,6 +44,57 @@ def test_chunked_logprobs_equal_naive_log_softmax(micro64):
             naive[:, 0] = 0
             torch.testing.assert_close(got, naive, atol=1e-12, rtol=0)
             assert torch.all(got[~mask] == 0)
+
+
+def group_batch(prompt_len=24, G=4, seed=1):
+    """G rows sharing a prompt, each with its own suffix length (right-padded), as a GRPO group arrives."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 400, (prompt_len,), generator=g)
+    lengths = [prompt_len + n for n in (9, 3, 14, 1)[:G]]
+    T = max(lengths)
+    ids = torch.zeros(G, T, dtype=torch.long)
+    roles = torch.full((G, T), int(Role.PAD))
+    for b, n in enumerate(lengths):
+        ids[b, :prompt_len] = prompt
+        ids[b, prompt_len:n] = torch.randint(3, 400, (n - prompt_len,), generator=g)
+        roles[b, :prompt_len] = Role.PROMPT
+        roles[b, prompt_len:n] = torch.randint(1, 5, (n - prompt_len,), generator=g)
+    return ids, roles
+
+
+def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(micro64):
+    model, _ = micro64
+    ids, roles = group_batch()
+    mask, attn = grpo.role_mask(roles, ACT_WORLD), (roles != Role.PAD).long()
+    assert grpo.shared_prefix_len(ids, attn) == 24
+    results = []
+    for share in (True, False):
+        model.zero_grad()
+        logp = grpo.token_logprobs(model, ids, mask, attn, share_prefix=share)
+        (logp * torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).view_as(logp)).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (shared, g_shared), (full, g_full) = results
+    torch.testing.assert_close(shared, full, atol=1e-10, rtol=0)
+    assert torch.all(shared[~mask] == 0)
+    # Qwen3's RMSNorm computes in float32 even for a float64 model, so gradients summed over the rows in a
+    # different order agree to float32 rounding, not float64's
+    for name in g_full:
+        torch.testing.assert_close(g_shared[name], g_full[name], atol=1e-6, rtol=1e-4)
+    # two groups and a row of its own in one micro-batch: each group's prompt runs once, the lone row whole
+    a, _ = group_batch(seed=2)
+    b, _ = group_batch(prompt_len=30, G=2, seed=3)
+    lone = torch.randint(3, 400, (1, 40))
+    width = max(x.shape[1] for x in (a, b, lone))
+    mixed = torch.cat([F.pad(x, (0, width - x.shape[1])) for x in (a, lone, b)])
+    attn = (mixed != 0).long()
+    assert grpo.prefix_runs(mixed, attn) == [(0, 4, 24), (5, 7, 30)]
+    mask = attn.bool() & (torch.arange(width) >= 24)
+    torch.testing.assert_close(grpo.token_logprobs(model, mixed, mask, attn),
+                               grpo.token_logprobs(model, mixed, mask, attn, share_prefix=False), atol=1e-10, rtol=0)
+    # rows that share nothing, or one row alone, take the plain forward
+    assert grpo.shared_prefix_len(ids[:1], attn[:1]) == 0
+    assert grpo.shared_prefix_len(torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.ones(2, 3)) == 2
+    assert grpo.shared_prefix_len(torch.tensor([[5, 6], [8, 6]]), torch.ones(2, 2)) == 0
 
 
 def test_masked_positions_get_exactly_zero_gradient(micro64):
