@@ -48,10 +48,7 @@ class NoReporter:
 
 class TensorBoardReporter:
     def __init__(self, run: Path, start_step: int):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ReporterUnavailable(f"--report-to tensorboard needs the tensorboard package ({INSTALL})") from exc
+        from torch.utils.tensorboard import SummaryWriter
         # purge_step: a resumed run drops the events the killed process wrote past its checkpoint
         self.writer = SummaryWriter(log_dir=str(run / "tensorboard"), purge_step=start_step or None)
 
@@ -67,10 +64,7 @@ class TensorBoardReporter:
 
 class WandbReporter:
     def __init__(self, run: Path, config: dict, start_step: int):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ReporterUnavailable(f"--report-to wandb needs the wandb package ({INSTALL})") from exc
+        import wandb
         id_file = run / "wandb_id"
         run_id = id_file.read_text().strip() if start_step and id_file.exists() else secrets.token_hex(8)
         id_file.write_text(run_id + "\n")
@@ -89,6 +83,7 @@ class WandbReporter:
 
 def make_reporter(kind: str, run: Path, config: dict, start_step: int = 0):
     """The logger `kind` names, writing into the run folder; ReporterUnavailable if its package is missing."""
+    check_available(kind)
     if kind == "none":
         return NoReporter()
     if kind == "tensorboard":
@@ -99,10 +94,12 @@ def make_reporter(kind: str, run: Path, config: dict, start_step: int = 0):
 
 
 def check_available(kind: str):
-    """Fail before the run starts (one line) when the chosen logger's package is missing."""
+    """ReporterUnavailable (one line) when the chosen logger's package is missing: train.py calls it before the
+    run starts, make_reporter again for callers that did not."""
     module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(kind)
     if module is None:
         return
     import importlib.util
-    if importlib.util.find_spec(module) is None:
+    import sys
+    if module not in sys.modules and importlib.util.find_spec(module) is None:
         raise ReporterUnavailable(f"--report-to {kind} needs the {module} package ({INSTALL})")

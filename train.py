@@ -207,11 +207,11 @@ def parse_roles(text: str) -> list[Role]:
     return [ROLE_NAMES[n] for n in names]
 
 
-def parse_task_opts(text: str) -> dict:
+def parse_task_opts(text: str | None) -> dict:
     """--task-opts as load_tasks options (cli.parse_task_opts, the parser evaluate.py uses too); ConfigError on a
-    malformed one."""
+    malformed one. None (unset): no options."""
     try:
-        return parse_opts_text(text)
+        return parse_opts_text(text or "")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -248,7 +248,7 @@ def validate(cfg: TrainConfig):
     if cfg.reward == "checklist" and not reward.has_checklist(cfg.bench):
         raise ConfigError(f"--reward checklist: benchmark {cfg.bench!r} has no rule-based checklist (toyworld, "
                           "tau2 and bfcl do); use --reward success")
-    parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts or "")
+    parse_roles(cfg.sft_roles), parse_task_opts(cfg.task_opts)
     if cfg.steps < 0:
         raise ConfigError(f"--steps must be >= 0 (0: only the supervised warm start), got {cfg.steps}")
     positive = ["tasks_per_step", "group_size", "micro_batch", "updates_per_batch", "max_new_tokens",
@@ -525,7 +525,7 @@ def setup(cfg: TrainConfig, resume: Path | None) -> tuple[Trainer, int]:
     torch.manual_seed(cfg.seed)
 
     bench = load_bench(cfg.bench)
-    tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts or ""))
+    tasks = bench.load_tasks(cfg.split, **parse_task_opts(cfg.task_opts))
     if not tasks:
         raise ConfigError(f"benchmark {cfg.bench!r} split {cfg.split!r} has no tasks")
     world_skip = parse_tool_names(cfg.sft_world_skip or "")
