@@ -118,7 +118,7 @@ def token_logprobs(model, ids: torch.Tensor, loss_mask: torch.Tensor, attention_
     model.set_output_embeddings(torch.nn.Identity())
     try:
         # HF turns the KV cache off under activation checkpointing while training: no prompt to share then
-        checkpointed = getattr(model, "is_gradient_checkpointing", False) and model.training
+        checkpointed = getattr(model, "is_activation_checkpointing", False) and model.training
         runs = prefix_runs(ids, attention_mask) if share_prefix and not checkpointed else []
         whole = sorted(set(range(ids.shape[0])) - {i for a, b, _ in runs for i in range(a, b)})
         parts, order = [], []
