@@ -643,13 +643,11 @@ def grpo_step(t: Trainer, step: int, pick: random.Random) -> tuple[dict, bool]:
     adv, flat = role_advantages(rewards, groups, ro.roles, t.train_roles, cfg.scale_std, cfg.per_role_adv)
     ref_logp = None                                                             # [B, T] under the reference
     if t.ref_model is not None:
-        parts = []
-        for s in range(0, ro.ids.shape[0], cfg.group_size):     # a group at a time: its prompt runs once
-            ids, roles = ro.ids[s:s + cfg.group_size].to(d.device), ro.roles[s:s + cfg.group_size].to(d.device)
-            with torch.no_grad(), autocast(d):
-                parts.append(token_logprobs(t.ref_model, ids, role_mask(roles, t.train_roles),
-                                            (roles != Role.PAD).long(), cfg.temperature, cfg.chunk_size).cpu())
-        ref_logp = torch.cat(parts)
+        with torch.no_grad(), autocast(d):     # token_logprobs runs each group's shared prompt once itself
+            ref_logp = token_logprobs(t.ref_model, ro.ids.to(d.device),
+                                      role_mask(ro.roles, t.train_roles).to(d.device),
+                                      (ro.roles != Role.PAD).long().to(d.device), cfg.temperature,
+                                      cfg.chunk_size).cpu()
     batch = Batch(ro.ids, ro.roles, ro.logprobs, adv)
     # shared: one model, one loss over every trained role. separate: each model its own loss over its role's
     # tokens, its own token mean and its own optimizer step (two agents, as the official noshare arm).
