@@ -526,6 +526,38 @@ def limits_text(args, task) -> str:
     return f"{turns}, {args.max_total_len} tokens{harness}"
 
 
+def memory_mark(device: str) -> dict:
+    """What the process holds once every model is loaded, with the peak counter reset there."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return {"device": "cuda", "loaded_bytes": torch.cuda.memory_allocated(device)}
+    kvbatch.reset_peak_rss()
+    return {"device": "cpu", "loaded_bytes": kvbatch.rss_bytes()}
+
+
+def memory_report(start: dict, budget: int, row_bytes: int, batch_rows: int, device: str) -> dict:
+    """The peak over the run against the KV-cache budget it ran under: the rows the budget admits are the only
+    memory that grows with the task count, so peak − loaded must stay within it (plus transients)."""
+    if start["device"] == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = kvbatch.peak_rss_bytes()
+    above = peak - start["loaded_bytes"]
+    return {"device": start["device"], "kv_budget_bytes": budget, "row_bytes": row_bytes, "batch_rows": batch_rows,
+            "loaded_bytes": start["loaded_bytes"], "peak_bytes": peak, "peak_above_loaded_bytes": above,
+            "within_budget": above <= budget}
+
+
+def memory_line(m: dict) -> str:
+    """The memory report as one line of the printed summary."""
+    gb = lambda b: f"{b / 2**30:.2f} GB"
+    what = "peak RSS" if m["device"] == "cpu" else "peak CUDA memory"
+    verdict = "within the budget" if m["within_budget"] else "OVER the budget"
+    return (f"memory: KV-cache budget {gb(m['kv_budget_bytes'])} (batches of up to {m['batch_rows']} rows, "
+            f"{gb(m['row_bytes'])} each at full length); {what} {gb(m['peak_bytes'])}, "
+            f"{gb(m['peak_above_loaded_bytes'])} above the loaded models ({verdict})")
+
+
 def budget_bytes(args) -> int | None:
     """--memory-budget in bytes (None: the engine's default, half the free memory)."""
     gb = getattr(args, "memory_budget", None)
@@ -665,6 +697,7 @@ def main(argv=None) -> int:
         except (policy.PolicyLoadError, TemplateError) as exc:
             parser.error(f"--user-model: {exc}")
     claim_out(out, identity, args.overwrite)
+    memory_start = memory_mark(device)
     budgets = args.compare or [args.rehearsal_budget]
     runs, records_by_run, t0 = {}, {}, time.perf_counter()
     for b in budgets:
@@ -673,19 +706,21 @@ def main(argv=None) -> int:
         records_by_run[f"B={b}"] = records
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": path.name}
     paired = paired_comparisons(records_by_run) if len(runs) > 1 else {}
+    batch_rows = min(args.max_rows or 64, eng.rows_that_fit(SamplingConfig(max_total_len=args.max_total_len),
+                                                            budget_bytes(args)))
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
                "commit": args.rehearsal_commit, "judge": args.rehearsal_judge, "world_model": world,
                "protocol": args.protocol, "limits": {k: getattr(args, k) for k in settings.LIMIT_FIELDS},
                "chat_template": args.chat_template, "chat_template_kwargs": eng.template_kwargs,
                "num_trials": args.num_trials, "tasks": len(tasks), "seed": args.seed,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "greedy": args.greedy},
-               "batch_rows": min(args.max_rows or 64, eng.rows_that_fit(
-                   SamplingConfig(max_total_len=args.max_total_len), budget_bytes(args))),
+               "batch_rows": batch_rows, "memory": memory_report(memory_start, have, need, batch_rows, device),
                "seconds": time.perf_counter() - t0, "runs": runs, "paired": paired}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.bench}/{args.split}: {len(tasks)} tasks x {args.num_trials} trials, model {model_name}, "
           f"rehearsal {args.rehearsal_mode}, protocol {args.protocol} ({limits_text(args, tasks[0])})")
     print(table(args.bench, runs))
+    print(memory_line(summary["memory"]))
     if paired:
         print("paired differences in success (same tasks and seeds; 95% paired-bootstrap interval):")
         print("\n".join(paired_lines(paired)))

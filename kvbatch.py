@@ -6,12 +6,15 @@
                          the rows being decoded, forked, fed and dropped
     length_groups, ragged_chunk, common_prefix_length   how uneven feeds become few forwards
     memory_rows ...      how many cache rows fit a memory budget
+    rss_bytes, peak_rss_bytes, reset_peak_rss   what the process holds, to check a run against its budget
 
 A row is any object with the fields of `CachedRow`; rollout.Row is the one the engine uses.
 """
 from __future__ import annotations
 
 import copy
+import os
+import resource
 from typing import Protocol
 
 import torch
@@ -590,3 +593,32 @@ def model_budget_bytes(model, budget_bytes: int | None = None) -> int:
 def memory_row_bytes(model, max_len: int) -> int:
     """What memory_rows budgets for one row of up to max_len tokens."""
     return 2 * max_len * kv_bytes_per_token(model) + 4 * model.config.vocab_size
+
+
+def rss_bytes() -> int:
+    """The resident memory of this process now (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark to the current RSS (clear_refs 5); False where /proc refuses. Without
+    it the peak starts at the parent's: a subprocess inherits ru_maxrss through fork+exec."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held: VmHWM (resettable) where /proc has it, else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -57,7 +57,6 @@ import gc
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,7 @@ import torch
 
 import policy
 import reward
+from kvbatch import peak_rss_bytes, reset_peak_rss, rss_bytes
 from grpo import LossConfig, group_advantages, grpo_loss, token_logprobs
 from bench import toyworld
 from perf.steering import Script, call_text
@@ -853,9 +853,9 @@ def logprob_worker(spec: dict) -> dict:
     # CPU: peak RSS during the step minus the RSS right before it. The kernel's high-water mark is reset to
     # the current RSS first (clear_refs 5): ru_maxrss alone would start at the *parent's* peak, which a
     # subprocess inherits through fork+exec. Without that reset the number is an upper bound (flagged).
-    rss_before = _rss_now()
-    hwm_reset = _reset_peak_rss()
-    peak_before = _peak_rss()
+    rss_before = rss_bytes()
+    hwm_reset = reset_peak_rss()
+    peak_before = peak_rss_bytes()
     t0 = time.perf_counter()
     if spec["method"] == "chunked":
         logp = token_logprobs(model, ids, loss_mask, attention_mask, chunk_size=spec["chunk_size"])
@@ -865,7 +865,7 @@ def logprob_worker(spec: dict) -> dict:
     loss.backward()
     sync(device)
     seconds = time.perf_counter() - t0
-    peak_after = _peak_rss()
+    peak_after = peak_rss_bytes()
     out = {"seconds": seconds, "trained_tokens": int(loss_mask.sum())}
     if device.type == "cuda":
         out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -877,32 +877,6 @@ def logprob_worker(spec: dict) -> dict:
                     "grads": {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}},
                    spec["save"])
     return out
-
-
-def _rss_now():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss():
-    """VmHWM (this mm's peak, resettable) where /proc has it, else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def naive_bytes(vocab, seq, dtype_bytes):

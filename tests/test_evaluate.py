@@ -169,3 +169,42 @@ def test_the_resolved_config_is_read_only_and_leaves_the_parsed_flags_alone():
     assert parsed.split is None and parsed.temperature is None and parsed.max_total_len is None
     with pytest.raises(AttributeError, match="read-only"):
         cfg.temperature = 1.0
+
+
+def test_summary_reports_peak_memory_against_the_budget_it_ran_under(micro_path, tmp_path, capsys):
+    import kvbatch
+    import policy
+    model, _ = policy.load_policy(str(micro_path))
+    row = kvbatch.memory_row_bytes(model, 512)
+    budget_gb = 3.5 * row / 2**30          # three rows fit
+    rc = evaluate.main(["--model", str(micro_path), "--limit", "6", "--max-new-tokens", "12", "--max-total-len", "512",
+                        "--memory-budget", repr(budget_gb), "--no-fidelity", "--out", str(tmp_path)])
+    assert rc == 0
+    mem = json.loads((tmp_path / "summary.json").read_text())["memory"]
+    assert mem["kv_budget_bytes"] == int(budget_gb * 2**30) and mem["row_bytes"] == row
+    assert mem["batch_rows"] == 3
+    assert mem["peak_bytes"] >= mem["loaded_bytes"] > 0
+    assert mem["peak_above_loaded_bytes"] == mem["peak_bytes"] - mem["loaded_bytes"]
+    assert "memory: KV-cache budget" in capsys.readouterr().out
+
+
+def test_memory_report_flags_a_peak_over_the_budget(monkeypatch):
+    import kvbatch
+    monkeypatch.setattr(kvbatch, "peak_rss_bytes", lambda: 5 << 30)
+    over = evaluate.memory_report({"device": "cpu", "loaded_bytes": 1 << 30}, 2 << 30, 1 << 20, 8, "cpu")
+    assert over["peak_above_loaded_bytes"] == 4 << 30 and not over["within_budget"]
+    assert "OVER the budget" in evaluate.memory_line(over)
+    under = evaluate.memory_report({"device": "cpu", "loaded_bytes": 1 << 30}, 8 << 30, 1 << 20, 8, "cpu")
+    assert under["within_budget"] and "within the budget" in evaluate.memory_line(under)
+
+
+def test_peak_rss_sees_an_allocation_after_its_reset():
+    import kvbatch
+    kvbatch.reset_peak_rss()
+    before = kvbatch.peak_rss_bytes()
+    block = bytearray(200 << 20)          # touched pages: resident
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    assert kvbatch.peak_rss_bytes() - before >= 150 << 20
+    assert kvbatch.rss_bytes() >= 200 << 20
+    del block
