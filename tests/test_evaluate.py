@@ -202,9 +202,10 @@ def test_peak_rss_sees_an_allocation_after_its_reset():
     import kvbatch
     kvbatch.reset_peak_rss()
     before = kvbatch.peak_rss_bytes()
-    block = bytearray(200 << 20)          # touched pages: resident
+    import mmap
+    block = mmap.mmap(-1, 200 << 20)      # fresh anonymous pages (a heap block could reuse resident freed memory)
     for i in range(0, len(block), 4096):
-        block[i] = 1
+        block[i] = 1                      # touched: resident
     assert kvbatch.peak_rss_bytes() - before >= 150 << 20
     assert kvbatch.rss_bytes() >= 200 << 20
-    del block
+    block.close()
