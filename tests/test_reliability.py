@@ -537,10 +537,10 @@ def eval_argv(micro_path, out, extra=()):
 
 
 def without_timings(x):
-    """A record or summary with its wall-clock fields dropped (the rest is decided by the seeds)."""
+    """A record or summary with its wall-clock and host-memory fields dropped (the rest is decided by the seeds)."""
     if isinstance(x, dict):
         return {k: without_timings(v) for k, v in x.items()
-                if "second" not in k and k not in ("tokens_per_s", "batch_rows")}
+                if "second" not in k and k not in ("tokens_per_s", "batch_rows", "memory")}
     if isinstance(x, list):
         return [without_timings(v) for v in x]
     return x
