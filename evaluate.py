@@ -706,8 +706,7 @@ def main(argv=None) -> int:
         records_by_run[f"B={b}"] = records
         runs[f"B={b}"] = {**summarize(args.bench, records, args.num_trials, fidelity_on), "jsonl": path.name}
     paired = paired_comparisons(records_by_run) if len(runs) > 1 else {}
-    batch_rows = min(args.max_rows or 64, eng.rows_that_fit(SamplingConfig(max_total_len=args.max_total_len),
-                                                            budget_bytes(args)))
+    batch_rows = min(args.max_rows or 64, eng.rows_that_fit(SamplingConfig(max_total_len=args.max_total_len), have))
     summary = {"bench": args.bench, "split": args.split, "model": model_name, "mode": args.rehearsal_mode,
                "commit": args.rehearsal_commit, "judge": args.rehearsal_judge, "world_model": world,
                "protocol": args.protocol, "limits": {k: getattr(args, k) for k in settings.LIMIT_FIELDS},
