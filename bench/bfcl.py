@@ -825,8 +825,11 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
     reward is a 30B LLM judge scoring checklist items per turn; this rule stands in for it). Each call made
     fulfils at most one item; the calls' responses, real or rehearsed, play no part.
 
-    single-turn: gold call k is met by a call that bfcl-eval's AST checker accepts against that gold call
-    alone (any acceptable value per argument, the package's type and language rules); relevance: one item,
+    single-turn with one gold call: one item for the function's name, one per gold argument and one for "no
+    other arguments" (`_argument_items`), so a call with one wrong value earns the other items (ToolRL's
+    fine-grained reward, Qian et al. 2025; a single whole-call item left GRPO no signal on the tasks a model
+    fails); several gold calls: gold call k is met by a call that bfcl-eval's AST checker accepts against that
+    gold call alone (any acceptable value per argument, the package's type and language rules); relevance: one item,
     "no call" (irrelevance) or "some call" (live_relevance). multi-turn: gold call k of user turn u is met by
     a call in user turn u with the same name and arguments (the gold call strings parsed, positional
     arguments named)."""
@@ -843,6 +846,8 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
                 unused.remove(hit)
             items.append((f"turn {gold.user_turn} call {k + 1}: {gold.name}", hit is not None))
         return items
+    if len(task.ground_truth) == 1:
+        return _argument_items(task, traj)
     for k, gold in enumerate(task.ground_truth):
         name = next(iter(gold))
         hit = next((i for i in unused if isinstance(traj.calls[i].name, str)
@@ -852,6 +857,27 @@ def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
         if hit is not None:
             unused.remove(hit)
         items.append((f"call {k + 1}: {name}", hit is not None))
+    return items
+
+
+def _argument_items(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
+    """The items of a task with one gold call, judged on the first call to the gold function: its name; each
+    gold argument, met when the reference call with that argument replaced by the model's (or dropped, if the
+    model left it out) passes bfcl-eval's AST checker, i.e. the package's rules judge that argument alone; and
+    no argument the gold call does not have."""
+    (gold_name, answer), = task.ground_truth[0].items()
+    ref = reference_calls(task)[0]
+    call = next((c for c in traj.calls if c.name == ref.name and isinstance(c.arguments, dict)), None)
+    items = [(f"call 1: {gold_name}", call is not None)]
+    for key in answer:
+        met = False
+        if call is not None:
+            args = {k: v for k, v in ref.arguments.items() if k != key}
+            if key in call.arguments:
+                args[key] = call.arguments[key]
+            met = _run_ast_checker(task, [{ref.name: args}], task.ground_truth, "multiple")["valid"]
+        items.append((f"call 1: {gold_name}.{key}", met))
+    items.append((f"call 1: {gold_name}: no other arguments", call is not None and set(call.arguments) <= set(answer)))
     return items
 
 

@@ -404,6 +404,9 @@ def test_checklist_items_are_the_gold_calls(all_tasks, cat):
             assert items == [("no call", True)]
             assert bfcl.checklist(t, traj(t, [ToolCall("f", {})])) == [("no call", False)]
             continue
+        if len(t.ground_truth) == 1 and cat != "multi_turn_base":   # one item per argument, name, no extras
+            _check_argument_items(t, calls[0])
+            continue
         assert len(items) == len(calls)
         # the last gold call missing: only its item is unmet
         assert [met for _, met in bfcl.checklist(t, traj(t, calls[:-1]))] == [True] * (len(calls) - 1) + [False]
@@ -416,6 +419,27 @@ def test_checklist_items_are_the_gold_calls(all_tasks, cat):
         if cat == "multi_turn_base":   # answering the wrong user turn earns nothing for the later turns
             flat = [ToolCall(c.name, c.arguments, 0, 0) for c in calls]
             assert [met for _, met in bfcl.checklist(t, traj(t, flat))] == [c.user_turn == 0 for c in calls]
+
+
+def _check_argument_items(t, ref):
+    (name, answer), = t.ground_truth[0].items()
+    items = bfcl.checklist(t, traj(t, [ref]))
+    assert [k for k, _ in items] == [f"call 1: {name}"] + [f"call 1: {name}.{k}" for k in answer] + \
+        [f"call 1: {name}: no other arguments"]
+    assert not any(met for _, met in bfcl.checklist(t, traj(t, [])))
+    assert not any(met for _, met in bfcl.checklist(t, traj(t, [ToolCall(ref.name + "_x", ref.arguments)])))
+    wrong_seen = 0
+    for key in ref.arguments:   # a changed value: that argument's item alone follows the checker's verdict
+        bad = copy.deepcopy(ref)
+        bad.arguments[key] = _wrong(bad.arguments[key])
+        valid = bfcl.score(t, traj(t, [bad])).reward == 1.0   # (Java's converter accepts some changed strings)
+        met = [m for _, m in bfcl.checklist(t, traj(t, [bad]))]
+        assert met == [valid or k != 1 + list(answer).index(key) for k in range(len(met))], (t.id, key, met)
+        wrong_seen += not valid
+    assert wrong_seen or not ref.arguments, t.id
+    extra = copy.deepcopy(ref)
+    extra.arguments["made_up_argument"] = 1
+    assert [m for _, m in bfcl.checklist(t, traj(t, [extra]))] == [True] * (len(items) - 1) + [False]
 
 
 @pytest.fixture(scope="module")
