@@ -823,7 +823,7 @@ def score(task: Task, traj: Trajectory) -> Score:
 def checklist(task: Task, traj: Trajectory) -> list[tuple[str, bool]]:
     """Rule-based checklist items, one per gold call, checked against the ground truth (the official EnvACE
     reward is a 30B LLM judge scoring checklist items per turn; this rule stands in for it). Each call made
-    fulfils at most one item; the calls' responses, real or rehearsed, play no part.
+    fulfils at most one gold call's items; the calls' responses, real or rehearsed, play no part.
 
     single-turn with one gold call: one item for the function's name, one per gold argument and one for "no
     other arguments" (`_argument_items`), so a call with one wrong value earns the other items (ToolRL's
